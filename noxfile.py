@@ -1,0 +1,196 @@
+"""Every workflow of the distributed-strategy monorepo.
+
+Sessions:
+    tests       one fresh venv per package holding only that package, the local pieces it
+                declares, torch and the test tools; plus the multi-process integration tests.
+    lint        ruff check and ruff format --check, and the lockstep-version check.
+    typecheck   mypy --strict over every package and the benchmarks.
+    build       a wheel and an sdist per package, metadata checked with twine.
+    docs        MkDocs in strict mode, API pages from docstrings.
+    bench       the DDP vs FSDP benchmark (CPU/gloo here, CUDA/NCCL on a GPU host).
+    microbench  the pytest-benchmark suite: each hot path beside its raw-torch baseline.
+
+torch always comes from one requirement, ``torch==2.13.0`` unless the environment variable
+``TORCH_SPEC`` says otherwise (for example ``TORCH_SPEC='torch==2.11.0'``): never a bare
+``torch``, which would make pip pick a multi-GB CUDA build.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PYPROJECT = nox.project.load_toml(ROOT / "pyproject.toml")
+TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
+
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+nox.options.sessions = ["tests", "lint", "typecheck"]
+
+
+@dataclass(frozen=True)
+class _Package:
+    dist: str
+    path: Path
+    version: str
+    requires: tuple[str, ...]
+
+    @property
+    def import_name(self) -> str:
+        return self.dist.replace("-", "_")
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[\s<>=!~;\[(]", requirement, maxsplit=1)[0].lower()
+
+
+def _load_packages() -> dict[str, _Package]:
+    folders = [*sorted((ROOT / "packages").iterdir()), ROOT / "benchmarks"]
+    packages: dict[str, _Package] = {}
+    for folder in folders:
+        meta = nox.project.load_toml(folder / "pyproject.toml")["project"]
+        packages[meta["name"]] = _Package(
+            dist=meta["name"],
+            path=folder,
+            version=meta["version"],
+            requires=tuple(meta.get("dependencies", ())),
+        )
+    return packages
+
+
+PACKAGES = _load_packages()
+LIBRARIES = [name for name in PACKAGES if name != "strategy-bench"]
+
+
+def _local_closure(dist: str) -> list[_Package]:
+    """The package and every local package it declares, dependencies first."""
+    ordered: list[_Package] = []
+
+    def visit(name: str) -> None:
+        package = PACKAGES[name]
+        for requirement in package.requires:
+            dep = _requirement_name(requirement)
+            if dep in PACKAGES and PACKAGES[dep] not in ordered:
+                visit(dep)
+        if package not in ordered:
+            ordered.append(package)
+
+    visit(dist)
+    return ordered
+
+
+def _needs_torch(dist: str) -> bool:
+    return any(_requirement_name(r) == "torch" for p in _local_closure(dist) for r in p.requires)
+
+
+def _install(session: nox.Session, dist: str, *groups: str) -> None:
+    """Install one package with its local pieces, torch from TORCH_SPEC, and tool groups."""
+    paths = [str(p.path) for p in _local_closure(dist)]
+    extras = [req for group in groups for req in nox.project.dependency_groups(PYPROJECT, group)]
+    torch = [TORCH_SPEC] if _needs_torch(dist) else []
+    session.install(*torch, *extras, "hatchling", *paths)
+    # A reused venv keeps the previous build of a local package when its version is unchanged:
+    # reinstall the local pieces themselves (and nothing else) so the tests see this tree.
+    session.install("--no-deps", "--force-reinstall", "--no-build-isolation", *paths)
+
+
+@nox.session
+@nox.parametrize("package", [*LIBRARIES, "integration"])
+def tests(session: nox.Session, package: str) -> None:
+    """Run one package's tests with only that package and its declared pieces installed."""
+    dist = "distributed-strategy" if package == "integration" else package
+    _install(session, dist, "test")
+    folder = "integration" if package == "integration" else PACKAGES[dist].import_name
+    session.run("pytest", f"tests/{folder}", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """Ruff lint and format check, plus the lockstep-version check."""
+    _check_lockstep()
+    session.install(*nox.project.dependency_groups(PYPROJECT, "lint"))
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """Mypy in strict mode over every package and the benchmarks."""
+    session.install(TORCH_SPEC, *nox.project.dependency_groups(PYPROJECT, "typecheck"))
+    session.install("matplotlib")
+    session.run("mypy", *session.posargs)
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Build a wheel and an sdist of every package and check their metadata."""
+    _check_lockstep()
+    session.install(*nox.project.dependency_groups(PYPROJECT, "build"))
+    out = ROOT / "dist"
+    shutil.rmtree(out, ignore_errors=True)
+    for package in PACKAGES.values():
+        session.run("python", "-m", "build", "--outdir", str(out), str(package.path))
+    artifacts = sorted(str(p) for p in out.iterdir())
+    session.run("twine", "check", "--strict", *artifacts)
+    session.run("check-wheel-contents", *[a for a in artifacts if a.endswith(".whl")])
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site with MkDocs in strict mode."""
+    session.install(*nox.project.dependency_groups(PYPROJECT, "docs"))
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Run the DDP vs FSDP benchmark; posargs replace the defaults (``nox -s bench -- sweep``)."""
+    _install(session, "strategy-bench")
+    args = session.posargs or ["run"]
+    if not any(a == "--out" or a.startswith("--out=") for a in args) and args[0] != "plot":
+        stamp = session.run(
+            "python", "-c", "import time; print(time.strftime('%Y%m%d-%H%M%S'))", silent=True
+        )
+        args = [*args, "--out", str(ROOT / "bench-results" / str(stamp).strip())]
+    session.run("strategy-bench", *args)
+
+
+@nox.session
+def microbench(session: nox.Session) -> None:
+    """Run the pytest-benchmark suite: each case beside its raw-torch baseline, as ratios."""
+    _install(session, "distributed-strategy", "microbench")
+    out = ROOT / "bench-results" / "microbench.json"
+    out.parent.mkdir(exist_ok=True)
+    session.run(
+        "pytest",
+        "benchmarks/microbench",
+        "-p",
+        "no:cacheprovider",
+        f"--benchmark-json={out}",
+        "--benchmark-columns=median,iqr,rounds",
+        *session.posargs,
+    )
+
+
+def _check_lockstep() -> None:
+    """Every package shares one version, and local requirements pin exactly that version."""
+    versions = {p.version for p in PACKAGES.values()}
+    if len(versions) != 1:
+        listing = ", ".join(f"{p.dist}={p.version}" for p in PACKAGES.values())
+        sys.exit(f"packages must share one version (lockstep releases); found {listing}")
+    (version,) = versions
+    for package in PACKAGES.values():
+        for requirement in package.requires:
+            name = _requirement_name(requirement)
+            if name in PACKAGES and requirement.replace(" ", "") != f"{name}=={version}":
+                sys.exit(
+                    f"{package.dist} requires {requirement!r}; local pieces must be pinned as "
+                    f"'{name}=={version}'"
+                )

@@ -1,0 +1,32 @@
+"""Validate the ``training.distributed`` section of a trainer config.
+
+Pure Python: importing this package never imports torch.
+"""
+
+from __future__ import annotations
+
+from strategy_config._config import (
+    BUILD_SOURCES,
+    DTYPE_NAMES,
+    DistributedConfig,
+    load_distributed_config,
+    normalize_dtype_name,
+)
+from strategy_config._strategy import (
+    DEFAULT_DISTRIBUTED_STRATEGY,
+    SUPPORTED_DISTRIBUTED_STRATEGIES,
+    is_ddp_strategy,
+    normalize_distributed_strategy,
+)
+
+__all__ = [
+    "BUILD_SOURCES",
+    "DEFAULT_DISTRIBUTED_STRATEGY",
+    "DTYPE_NAMES",
+    "SUPPORTED_DISTRIBUTED_STRATEGIES",
+    "DistributedConfig",
+    "is_ddp_strategy",
+    "load_distributed_config",
+    "normalize_distributed_strategy",
+    "normalize_dtype_name",
+]
