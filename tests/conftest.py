@@ -24,3 +24,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def process_group() -> None:
+    """A one-rank gloo process group in the test process, shared by every test that asks."""
+    from dist_harness import single_rank_group
+
+    single_rank_group()

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from fake_accelerator import FakeAccelerator
 
 import rng_fork
+from fake_accelerator import FakeAccelerator
 from rng_fork import _compat, fork_model_rng, fork_rng
 
 
@@ -70,7 +70,9 @@ def test_nesting() -> None:
         a = torch.rand(2)
         mid = torch.get_rng_state()
         with fork_rng(2):
-            assert torch.equal(torch.rand(2), torch.rand(2, generator=torch.Generator().manual_seed(2)))
+            assert torch.equal(
+                torch.rand(2), torch.rand(2, generator=torch.Generator().manual_seed(2))
+            )
         assert torch.equal(torch.get_rng_state(), mid)
         b = torch.rand(2)
     assert torch.equal(torch.cat([a, b]), torch.rand(4, generator=torch.Generator().manual_seed(1)))
@@ -90,7 +92,11 @@ def test_nesting() -> None:
 def test_bad_seed_changes_nothing(seed: object, error: type[Exception], fragment: str) -> None:
     random.seed(11)
     np.random.seed(11)
-    torch_before, py_before, np_before = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    torch_before, py_before, np_before = (
+        torch.get_rng_state(),
+        random.getstate(),
+        np.random.get_state(),
+    )
     with pytest.raises(error) as info, fork_rng(seed, python=True, numpy=True):  # type: ignore[arg-type]
         pytest.fail("the block must not run")
     assert fragment in str(info.value)
@@ -142,7 +148,9 @@ def test_large_seed_reaches_numpy_as_words() -> None:
 def test_device_dispatch_touches_only_named_device(fake: FakeAccelerator) -> None:
     before = fake.states()
     with fork_rng(42, device="xpu:2"):
-        assert torch.equal(fake.generators[2].get_state(), torch.Generator().manual_seed(42).get_state())
+        assert torch.equal(
+            fake.generators[2].get_state(), torch.Generator().manual_seed(42).get_state()
+        )
         for index in (0, 1, 3):
             assert torch.equal(fake.generators[index].get_state(), before[index])
         fake.generators[2].manual_seed(0)  # the block consumes/changes the stream
@@ -174,10 +182,18 @@ def test_cpu_device_never_looks_up_an_accelerator(fake: FakeAccelerator, device:
 
 def test_unavailable_or_missing_device_fails_before_changes(fake: FakeAccelerator) -> None:
     before = torch.get_rng_state()
-    with pytest.raises(RuntimeError, match=r"only 4 xpu device\(s\) are visible; use an index in 0..3"), fork_rng(1, device="xpu:9"):
+    with (
+        pytest.raises(
+            RuntimeError, match=r"only 4 xpu device\(s\) are visible; use an index in 0..3"
+        ),
+        fork_rng(1, device="xpu:9"),
+    ):
         pass
     fake.available = False
-    with pytest.raises(RuntimeError, match="xpu is not available in this process"), fork_rng(1, device="xpu:0"):
+    with (
+        pytest.raises(RuntimeError, match="xpu is not available in this process"),
+        fork_rng(1, device="xpu:0"),
+    ):
         pass
     assert fake.calls == []
     assert torch.equal(torch.get_rng_state(), before)

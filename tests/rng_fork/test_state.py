@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 import random
 import subprocess
@@ -9,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from fake_accelerator import FakeAccelerator
 
+from fake_accelerator import FakeAccelerator
 from rng_fork import _compat, capture_rng_state, derive_seed, restore_rng_state
 
 
@@ -67,10 +68,22 @@ def _corrupt(key: str, value: object) -> dict[str, object]:
         ("not a state", TypeError, "state must be a dict made by capture_rng_state()"),
         ({"cpu": torch.zeros(3)}, TypeError, "format 'rng_fork.state/1'"),
         (_corrupt("cpu", torch.zeros(5056)), ValueError, "state['cpu'] must be a 1-D uint8 tensor"),
-        (_corrupt("cpu", torch.zeros(10, dtype=torch.uint8)), ValueError, "has 10 bytes, expected 5056"),
-        (_corrupt("python", [3, [1, 2], None]), ValueError, "state['python'] is not a random.getstate()"),
+        (
+            _corrupt("cpu", torch.zeros(10, dtype=torch.uint8)),
+            ValueError,
+            "has 10 bytes, expected 5056",
+        ),
+        (
+            _corrupt("python", [3, [1, 2], None]),
+            ValueError,
+            "state['python'] is not a random.getstate()",
+        ),
         (_corrupt("numpy", {"keys": []}), ValueError, "state['numpy'] must be a dict with keys"),
-        (_corrupt("device", {"type": "cpu", "index": 0, "state": torch.zeros(1)}), ValueError, "which is no accelerator"),
+        (
+            _corrupt("device", {"type": "cpu", "index": 0, "state": torch.zeros(1)}),
+            ValueError,
+            "which is no accelerator",
+        ),
     ],
 )
 def test_malformed_state_is_rejected_and_changes_nothing(
@@ -119,7 +132,10 @@ def test_derive_seed_same_in_another_process() -> None:
     import os
 
     out = subprocess.run(
-        [sys.executable, "-c", code], check=True, capture_output=True, text=True,
+        [sys.executable, "-c", code],
+        check=True,
+        capture_output=True,
+        text=True,
         env={**os.environ, **env},
     ).stdout.strip()
     assert int(out) == derive_seed(99, "worker", 3, b"x")
@@ -128,7 +144,7 @@ def test_derive_seed_same_in_another_process() -> None:
 def test_derive_seed_mixes_adjacent_keys() -> None:
     seeds = [derive_seed(42, rank) for rank in range(256)]
     assert len(set(seeds)) == len(seeds)
-    distances = [bin(a ^ b).count("1") for a, b in zip(seeds, seeds[1:], strict=False)]
+    distances = [bin(a ^ b).count("1") for a, b in itertools.pairwise(seeds)]
     assert 27 < sum(distances) / len(distances) < 36  # about half of 63 bits flip
     assert derive_seed(42, 1, 2) != derive_seed(42, 12)
     assert derive_seed(42, "1") != derive_seed(42, 1)

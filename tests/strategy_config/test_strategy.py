@@ -23,8 +23,15 @@ def test_constants() -> None:
 
 @pytest.mark.parametrize(
     ("value", "expected"),
-    [(None, "fsdp"), ("", "fsdp"), ("   ", "fsdp"), ("ddp", "ddp"), (" DDP ", "ddp"),
-     ("FSDP", "fsdp"), ("\tfsdp\n", "fsdp")],
+    [
+        (None, "fsdp"),
+        ("", "fsdp"),
+        ("   ", "fsdp"),
+        ("ddp", "ddp"),
+        (" DDP ", "ddp"),
+        ("FSDP", "fsdp"),
+        ("\tfsdp\n", "fsdp"),
+    ],
 )
 def test_normalize(value: str | None, expected: str) -> None:
     assert normalize_distributed_strategy(value) == expected

@@ -13,10 +13,10 @@ def device_module(device_type: str) -> ModuleType:
     if get is not None:
         module: ModuleType = get(device_type)
         return module
-    module = getattr(torch, device_type, None)  # torch < 2.3
-    if not isinstance(module, ModuleType):
+    fallback = getattr(torch, device_type, None)  # torch < 2.3
+    if not isinstance(fallback, ModuleType):
         raise ValueError(f"torch has no device module for device type {device_type!r}")
-    return module
+    return fallback
 
 
 def current_accelerator_type() -> str:

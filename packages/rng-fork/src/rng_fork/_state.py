@@ -157,7 +157,9 @@ def _check_state(state: object) -> None:
     device = state["device"]
     if device is not None:
         if not isinstance(device, dict) or not {"type", "index", "state"} <= device.keys():
-            raise _fail("state['device']", f"must be a dict with type, index, state, got {device!r}")
+            raise _fail(
+                "state['device']", f"must be a dict with type, index, state, got {device!r}"
+            )
         if not isinstance(device["type"], str) or not isinstance(device["index"], int):
             raise _fail("state['device']", f"has a bad type or index: {device!r}")
         stream = accelerator_stream(
@@ -169,7 +171,7 @@ def _check_state(state: object) -> None:
     python = state["python"]
     if python is not None and not (
         isinstance(python, (list, tuple))
-        and len(python) == 3  # noqa: PLR2004 - (version, internal state, gauss)
+        and len(python) == 3
         and isinstance(python[1], (list, tuple))
         and len(python[1]) == len(random.getstate()[1])
     ):
@@ -179,7 +181,7 @@ def _check_state(state: object) -> None:
         needed = {"bit_generator", "keys", "pos", "has_gauss", "gauss"}
         if not isinstance(numpy_state, dict) or not needed <= numpy_state.keys():
             raise _fail("state['numpy']", f"must be a dict with keys {sorted(needed)}")
-        if numpy_state["bit_generator"] != "MT19937" or len(numpy_state["keys"]) != 624:  # noqa: PLR2004
+        if numpy_state["bit_generator"] != "MT19937" or len(numpy_state["keys"]) != 624:
             raise _fail("state['numpy']", "is not an MT19937 legacy snapshot")
 
 
@@ -187,4 +189,4 @@ def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"tensor(dtype={value.dtype}, shape={tuple(value.shape)})"
     text = repr(value)
-    return f"{type(value).__name__} ({text[:60]}{'...' if len(text) > 60 else ''})"  # noqa: PLR2004
+    return f"{type(value).__name__} ({text[:60]}{'...' if len(text) > 60 else ''})"

@@ -1,0 +1,101 @@
+"""Run a function on N real gloo ranks in spawned processes, and collect what each returned.
+
+Worker functions must live in an importable module (this folder is on pytest's pythonpath),
+because spawned children import them by name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+DEADLINE_S = 180.0
+
+
+def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on every rank; return the results by rank.
+
+    Raises:
+        AssertionError: If a rank raised (with its traceback) or the deadline passed.
+    """
+    context = mp.get_context("spawn")
+    results: queue.Queue[tuple[int, str, Any]] = context.Queue()  # type: ignore[assignment]
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            context.Process(target=_entry, args=(fn, rank, world_size, store, results, args))
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        collected: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + DEADLINE_S
+        try:
+            while len(collected) < world_size:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"ranks timed out; finished: {sorted(collected)}")
+                try:
+                    rank, status, value = results.get(timeout=min(remaining, 1.0))
+                except queue.Empty:
+                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    if dead and len(collected) + len(dead) >= world_size:
+                        raise AssertionError(
+                            f"a rank died without reporting (exit codes "
+                            f"{[p.exitcode for p in procs]})"
+                        ) from None
+                    continue
+                collected[rank] = (status, value)
+        finally:
+            for proc in procs:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+    errors = [f"rank {r}:\n{v}" for r, (s, v) in sorted(collected.items()) if s == "error"]
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [collected[rank][1] for rank in range(world_size)]
+
+
+def _entry(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_path: str,
+    results: Any,
+    args: tuple[Any, ...],
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def single_rank_group() -> None:
+    """Initialise a one-rank gloo group in this process (once; later calls reuse it)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

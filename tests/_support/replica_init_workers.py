@@ -1,0 +1,79 @@
+"""Rank functions for replica-init's multi-process tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from replica_init import (
+    ReplicaMismatchError,
+    assert_replicas_identical,
+    build_replicated_model,
+    build_replicated_model_from_scratch,
+    model_fingerprint,
+)
+from toy_models import ToyNet
+
+PARAMS = {"vocab": 32, "width": 8, "depth": 2}
+
+
+def _fails_on_rank0(**kwargs: Any) -> ToyNet:
+    if dist.get_rank() == 0:
+        raise ValueError("constructor failed on rank 0")
+    return ToyNet(**kwargs)
+
+
+def replica_checks(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    rng_before = torch.get_rng_state()
+    local = build_replicated_model(
+        ToyNet, PARAMS, device="cpu", default_dtype=torch.float32, seed=3
+    )
+    out["fp_local"] = assert_replicas_identical(local)
+    out["rng_unchanged"] = torch.equal(torch.get_rng_state(), rng_before)
+
+    skewed = build_replicated_model_from_scratch(
+        ToyNet, PARAMS, device="cpu", default_dtype=torch.float32, seed=100 + rank
+    )
+    try:
+        assert_replicas_identical(skewed)
+    except ReplicaMismatchError as error:
+        out["seed_mismatch"] = (str(error), error.ranks, error.tensor)
+
+    flipped = build_replicated_model_from_scratch(
+        ToyNet, PARAMS, device="cpu", default_dtype=torch.float32, seed=3
+    )
+    if rank == 1:
+        with torch.no_grad():
+            bits = flipped.blocks[1].mlp[0].bias.view(torch.int32)
+            bits[0] ^= 1
+    try:
+        assert_replicas_identical(flipped)
+    except ReplicaMismatchError as error:
+        out["bit_mismatch"] = (str(error), error.ranks, error.tensor)
+
+    from_rank0 = build_replicated_model(
+        ToyNet, PARAMS, device="cpu", default_dtype=torch.float32, seed=3, source="rank0"
+    )
+    out["fp_rank0"] = model_fingerprint(from_rank0)
+    out["rank0_tied"] = from_rank0.head.weight is from_rank0.embed.weight
+    out["rank0_meta_left"] = any(
+        t.is_meta for t in [*from_rank0.parameters(), *from_rank0.buffers()]
+    )
+    out["rank0_noise"] = from_rank0.noise.tolist()
+    out["rank0_rng_unchanged"] = torch.equal(torch.get_rng_state(), rng_before)
+
+    try:
+        build_replicated_model(
+            _fails_on_rank0,
+            PARAMS,
+            device="cpu",
+            default_dtype=torch.float32,
+            seed=3,
+            source="rank0",
+        )
+    except Exception as error:
+        out["rank0_failure"] = f"{type(error).__name__}: {error}"
+    return out

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dist_harness import run_ranks
+from replica_init_workers import replica_checks
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return run_ranks(replica_checks, world_size=2)
+
+
+def test_two_ranks_agree(ranks: list[dict[str, Any]]) -> None:
+    assert ranks[0]["fp_local"] == ranks[1]["fp_local"]
+    assert all(r["rng_unchanged"] for r in ranks)
+
+
+def test_rank_dependent_seed_is_caught_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        message, differing, tensor = rank["seed_mismatch"]
+        assert differing == [1]
+        assert tensor is not None
+        assert message.startswith("model replicas differ: ranks [1] differ from rank 0")
+    assert ranks[0]["seed_mismatch"] == ranks[1]["seed_mismatch"]
+
+
+def test_flipped_bit_names_the_tensor_and_ranks(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        message, differing, tensor = rank["bit_mismatch"]
+        assert differing == [1]
+        assert tensor == "param:blocks.1.mlp.0.bias"
+        assert (
+            "first differing tensor: 'param:blocks.1.mlp.0.bias' (ranks [0]: torch.float32 (16,) sha256"
+            in message
+        )
+        assert "; ranks [1]: torch.float32 (16,) sha256" in message
+
+
+def test_rank0_source_equals_local(ranks: list[dict[str, Any]]) -> None:
+    for rank in ranks:
+        assert rank["fp_rank0"] == rank["fp_local"]
+        assert rank["rank0_tied"]
+        assert not rank["rank0_meta_left"]
+        assert rank["rank0_rng_unchanged"]
+    assert ranks[0]["rank0_noise"] == ranks[1]["rank0_noise"]
+
+
+def test_rank0_failure_reaches_every_rank(ranks: list[dict[str, Any]]) -> None:
+    assert ranks[0]["rank0_failure"] == "ValueError: constructor failed on rank 0"
+    assert ranks[1]["rank0_failure"] == (
+        "RuntimeError: ranks [0] failed to build the model (ValueError: constructor failed on "
+        "rank 0); see the traceback on those ranks"
+    )
