@@ -52,7 +52,9 @@ def _requirement_name(requirement: str) -> str:
 
 
 def _load_packages() -> dict[str, _Package]:
-    folders = [*sorted((ROOT / "packages").iterdir()), ROOT / "benchmarks"]
+    folders = sorted((ROOT / "packages").iterdir())
+    if (ROOT / "benchmarks" / "pyproject.toml").is_file():
+        folders.append(ROOT / "benchmarks")
     packages: dict[str, _Package] = {}
     for folder in folders:
         meta = nox.project.load_toml(folder / "pyproject.toml")["project"]

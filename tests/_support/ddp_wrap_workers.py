@@ -1,0 +1,73 @@
+"""Rank functions for ddp-wrap's two-rank tests (real gloo process groups)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddp_wrap import mark_forward_method, wrap_module_ddp
+from toy_models import RunnerNet
+
+
+def _model() -> RunnerNet:
+    torch.manual_seed(0)
+    return RunnerNet()
+
+
+def _data(rank: int) -> torch.Tensor:
+    return torch.full((2, 4), float(rank + 1))
+
+
+def _grads(model: nn.Module) -> dict[str, list[float]]:
+    return {
+        n: p.grad.flatten().tolist() for n, p in model.named_parameters() if p.grad is not None
+    }
+
+
+def gradient_sync(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+
+    # The reference: plain DDP forward.
+    ddp = wrap_module_ddp(_model(), device="cpu")
+    (ddp(_data(rank)) ** 2).sum().backward()
+    out["forward_grads"] = _grads(ddp.module)
+
+    # A marked method: the same loss computed inside the method, routed through DDP.
+    marked = wrap_module_ddp(_model(), device="cpu", forward_methods=["loss"])
+    marked.loss(_data(rank)).backward()
+    out["marked_grads"] = _grads(marked.module)
+
+    # mark_forward_method after the wrap does the same.
+    late = wrap_module_ddp(_model(), device="cpu")
+    mark_forward_method(late, "loss")
+    late.loss(_data(rank)).backward()
+    out["late_marked_grads"] = _grads(late.module)
+
+    # What each rank would get alone (what an unguarded bypass leaves it with).
+    local = _model()
+    local.loss(_data(rank)).backward()
+    out["local_grads"] = _grads(local)
+
+    # An unmarked bypass under grad is refused, on every rank, before any gradient exists.
+    guarded = wrap_module_ddp(_model(), device="cpu")
+    try:
+        guarded.loss(_data(rank))
+    except RuntimeError as error:
+        out["bypass_error"] = str(error)
+    out["bypass_left_grads"] = _grads(guarded.module)
+    with torch.no_grad():
+        out["no_grad_ok"] = guarded.loss(_data(rank)).item()
+    out["normalize_ok"] = guarded.normalize(_data(rank)).sum().item()
+    out["encode_ok"] = guarded.encode(_data(rank)).shape[1]
+
+    # broadcast_buffers=False (the reference): a rank-local buffer is synced neither at init
+    # nor in forward. True: synced from rank 0.
+    for flag in (False, True):
+        model = _model()
+        model.mean.fill_(float(rank))
+        wrapped = wrap_module_ddp(model, device="cpu", broadcast_buffers=flag)
+        wrapped(_data(rank))
+        out[f"mean_after_broadcast_{flag}"] = model.mean.tolist()
+    return out
