@@ -21,9 +21,7 @@ def _data(rank: int) -> torch.Tensor:
 
 
 def _grads(model: nn.Module) -> dict[str, list[float]]:
-    return {
-        n: p.grad.flatten().tolist() for n, p in model.named_parameters() if p.grad is not None
-    }
+    return {n: p.grad.flatten().tolist() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def gradient_sync(rank: int, world_size: int) -> dict[str, Any]:

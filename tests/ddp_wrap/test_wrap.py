@@ -13,8 +13,12 @@ import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from ddp_wrap import DelegatingDistributedDataParallel, unwrap_ddp_module, unwrap_model
-from ddp_wrap import wrap_module_ddp
+from ddp_wrap import (
+    DelegatingDistributedDataParallel,
+    unwrap_ddp_module,
+    unwrap_model,
+    wrap_module_ddp,
+)
 from dist_harness import run_ranks
 from toy_models import RunnerNet
 
@@ -161,7 +165,10 @@ def test_two_ranks() -> None:
     for key in ("marked_grads", "late_marked_grads"):
         assert r0[key] == r1[key] == r0["forward_grads"], key
     for name, grad in r0["marked_grads"].items():
-        mean = [(a + b) / 2 for a, b in zip(r0["local_grads"][name], r1["local_grads"][name])]
+        mean = [
+            (a + b) / 2
+            for a, b in zip(r0["local_grads"][name], r1["local_grads"][name], strict=True)
+        ]
         assert grad == pytest.approx(mean), name
     assert r0["local_grads"] != r1["local_grads"]  # what a silent bypass would have left
     for r in results:

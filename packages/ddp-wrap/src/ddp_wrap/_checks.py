@@ -10,13 +10,29 @@ DeviceLike = torch.device | str | int
 
 
 def check_wrap_preconditions(module: object, device: object, *, wrapper: str) -> torch.device:
-    """The reference checks, in the reference order; returns the resolved device.
+    """The reference checks before a data-parallel wrap, in the reference order.
+
+    Shared by ``wrap_module_ddp`` and fsdp-wrap's ``wrap_module_fsdp`` so that both fail
+    with the same errors.
 
     1. ``module`` is an ``nn.Module`` (``TypeError``).
     2. The default process group is initialised (``RuntimeError``).
     3. At least one parameter requires grad (``ValueError``).
     4. A CUDA device names a concrete index (``ValueError``).
     5. Every parameter is on ``device`` (``ValueError`` naming the first that is not).
+
+    Args:
+        module: The module about to be wrapped.
+        device: This rank's device: a ``torch.device``, a string, or an int (CUDA index).
+        wrapper: The caller's name, used in the messages.
+
+    Returns:
+        The resolved ``torch.device``.
+
+    Raises:
+        TypeError: If ``module`` is not a module or ``device`` has a bad type.
+        RuntimeError: If the default process group is not initialised.
+        ValueError: See the checks above.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"{wrapper} needs an nn.Module, got {type(module).__name__}")

@@ -111,10 +111,10 @@ class DelegatingDistributedDataParallel(DistributedDataParallel):
         super().__setattr__(name, value)
 
     def __dir__(self) -> Iterable[str]:
-        return sorted(set(super().__dir__()) | set(dir(self.module)))
+        return sorted(set(super().__dir__()) | set(dir(self.module)))  # type: ignore[no-untyped-call]
 
     def __getstate__(self) -> dict[str, Any]:
-        state: dict[str, Any] = super().__getstate__()
+        state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
         state["_ddp_wrap_index"] = None  # holds object ids, rebuilt lazily after unpickling
         return state
 
@@ -128,7 +128,7 @@ class DelegatingDistributedDataParallel(DistributedDataParallel):
             self._raise_trainable_changed()
         state["_ddp_wrap_in_forward"] += 1
         try:
-            return super().forward(*inputs, **kwargs)
+            return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
         finally:
             state["_ddp_wrap_in_forward"] -= 1
 

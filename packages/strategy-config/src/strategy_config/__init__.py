@@ -12,6 +12,7 @@ from strategy_config._config import (
     load_distributed_config,
     normalize_dtype_name,
 )
+from strategy_config._hints import did_you_mean
 from strategy_config._strategy import (
     DEFAULT_DISTRIBUTED_STRATEGY,
     SUPPORTED_DISTRIBUTED_STRATEGIES,
@@ -25,6 +26,7 @@ __all__ = [
     "DTYPE_NAMES",
     "SUPPORTED_DISTRIBUTED_STRATEGIES",
     "DistributedConfig",
+    "did_you_mean",
     "is_ddp_strategy",
     "load_distributed_config",
     "normalize_distributed_strategy",

@@ -1,0 +1,139 @@
+"""``wrap_module_fsdp``: FSDP2's ``fully_shard`` over a policy's submodules, then the root."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from ddp_wrap import DeviceLike, check_wrap_preconditions
+from fsdp_wrap._compat import fully_shard, register_fsdp_forward_method
+from fsdp_wrap._policy import ShardPolicy, select_shard_targets
+from fsdp_wrap._precision import mixed_precision_policy
+
+logger = logging.getLogger(__name__)
+
+
+def wrap_module_fsdp(
+    module: nn.Module,
+    *,
+    device: DeviceLike,
+    shard: ShardPolicy | None = None,
+    reshard_after_forward: bool = True,
+    param_dtype: str | torch.dtype | None = None,
+    reduce_dtype: str | torch.dtype | None = None,
+    mesh: DeviceMesh | None = None,
+    forward_methods: Iterable[str] = (),
+) -> nn.Module:
+    """Shard ``module`` in place with ``fully_shard`` (FSDP2) and return it.
+
+    Applies ``fully_shard`` to each submodule that ``shard`` selects, children before parents,
+    then to the root. The same precondition checks, in the same order and with the same
+    errors, as ddp-wrap's ``wrap_module_ddp``: initialised process group, at least one
+    trainable parameter, a concrete CUDA index, every parameter on ``device``.
+
+    The returned module is the model itself (FSDP2 swaps its class for an ``FSDPModule``
+    subclass): attributes and methods stay reachable. Its parameters become ``DTensor``
+    shards; build the optimizer after this call.
+
+    Args:
+        module: The model, already on ``device``, with its trainable policy applied.
+        device: This rank's device (``torch.device``, string, or CUDA index). For CUDA it
+            must be the current device (``torch.cuda.set_device(local_rank)`` first).
+        shard: Which submodules get their own FSDP unit: ``None`` for each member of every
+            ``nn.ModuleList``; a callable ``(submodule) -> bool``; or classes / class names.
+        reshard_after_forward: Free the unsharded parameters after forward (re-gathered in
+            backward): less memory, one more all-gather per unit.
+        param_dtype: Mixed precision compute dtype: ``"bf16"``, ``"fp16"``, ``"fp32"`` (or a
+            torch dtype); ``None`` keeps the parameters' dtype.
+        reduce_dtype: Dtype of the gradient reduce-scatter; ``None`` uses ``param_dtype``.
+        mesh: A 1-D ``DeviceMesh`` to shard over; ``None`` builds one over the default group
+            on ``device``'s type.
+        forward_methods: Methods of ``module`` other than ``forward`` that the trainer calls
+            directly (e.g. ``"ode_wrapper"``). FSDP2 runs its root hooks only around
+            ``forward``; these are registered with ``register_fsdp_forward_method`` so
+            they gather the root's parameters too.
+
+    Returns:
+        ``module``, sharded.
+
+    Raises:
+        TypeError: If ``module`` is not a module or an argument has the wrong type.
+        RuntimeError: If the process group is not initialised.
+        ValueError: See the checks above; an unknown dtype name (the valid names are listed);
+            a CUDA ``device`` that is not the current device; a mesh on another device type.
+        AttributeError: If a forward method name is not a method of ``module``.
+    """
+    target = check_wrap_preconditions(module, device, wrapper="wrap_module_fsdp")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    policy = mixed_precision_policy(param_dtype, reduce_dtype)
+    names = _check_forward_methods(module, forward_methods)
+    mesh = _resolve_mesh(mesh, target)
+    targets = select_shard_targets(module, shard)
+    model_name = type(module).__name__  # before fully_shard swaps the class
+    for sub in targets:
+        fully_shard(sub, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    for name in names:
+        register_fsdp_forward_method(module, name)
+    logger.info(
+        "sharded %s with FSDP2 on %s (rank %d of %d): %d unit(s) plus the root, "
+        "reshard_after_forward=%s, param_dtype=%s, reduce_dtype=%s, forward methods %s",
+        model_name,
+        target,
+        dist.get_rank(),
+        dist.get_world_size(),
+        len(targets),
+        reshard_after_forward,
+        policy.param_dtype,
+        policy.reduce_dtype,
+        list(names),
+    )
+    return module
+
+
+def _check_forward_methods(module: nn.Module, forward_methods: Iterable[str]) -> tuple[str, ...]:
+    names = tuple(forward_methods)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"forward method names must be strings, got {type(name).__name__} ({name!r})"
+            )
+        value = getattr(module, name, None)
+        if value is None:
+            raise AttributeError(
+                f"cannot register {name!r} as a forward method: {type(module).__name__} has no "
+                f"attribute {name!r}"
+            )
+        if name == "forward" or not callable(value) or isinstance(value, nn.Module):
+            raise ValueError(
+                f"cannot register {name!r} as a forward method of {type(module).__name__}: "
+                "name a method other than forward"
+            )
+    return names
+
+
+def _resolve_mesh(mesh: DeviceMesh | None, target: torch.device) -> DeviceMesh:
+    if target.type != "cpu":
+        current = torch.get_device_module(target.type).current_device()
+        if target.index != current:
+            raise ValueError(
+                f"device={str(target)!r} is not the current {target.type} device "
+                f"({target.type}:{current}); FSDP2 allocates on the current device, so call "
+                f"torch.{target.type}.set_device({target.index}) before wrapping"
+            )
+    if mesh is None:
+        return init_device_mesh(target.type, (dist.get_world_size(),))
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh.device_type != target.type:
+        raise ValueError(
+            f"mesh is on device type {mesh.device_type!r} but device={str(target)!r}; build the "
+            f"mesh with init_device_mesh({target.type!r}, ...)"
+        )
+    return mesh

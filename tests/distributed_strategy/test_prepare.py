@@ -1,0 +1,178 @@
+"""The composed import and prepare_model on a one-rank gloo group."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import distributed_strategy
+from distributed_strategy import (
+    DelegatingDistributedDataParallel,
+    DistributedConfig,
+    prepare_model,
+    resolve_config,
+)
+from toy_models import Regressor, RunnerNet
+
+REFERENCE_ALL = {
+    "DelegatingDistributedDataParallel",
+    "SUPPORTED_DISTRIBUTED_STRATEGIES",
+    "build_replicated_model_from_scratch",
+    "is_ddp_strategy",
+    "normalize_distributed_strategy",
+    "unwrap_ddp_module",
+    "wrap_module_ddp",
+}
+
+# Defined by two pieces with the same meaning; the composed import takes one of them.
+DEFINED_TWICE = {"BUILD_SOURCES", "DeviceLike"}
+
+
+def test_reexports_every_public_name() -> None:
+    import ddp_wrap
+    import fsdp_wrap
+    import replica_init
+    import rng_fork
+    import strategy_config
+
+    exported = set(distributed_strategy.__all__)
+    assert REFERENCE_ALL <= exported
+    for piece in (ddp_wrap, fsdp_wrap, replica_init, rng_fork, strategy_config):
+        for name in piece.__all__:
+            assert name in exported, f"{piece.__name__}.{name}"
+            if name not in DEFINED_TWICE:
+                assert getattr(distributed_strategy, name) is getattr(piece, name), name
+    for name in exported:
+        assert hasattr(distributed_strategy, name), name
+
+
+class TestResolveConfig:
+    def test_forms(self) -> None:
+        assert resolve_config("DDP").strategy == "ddp"
+        assert resolve_config(None).strategy == "fsdp"
+        assert resolve_config({"strategy": "ddp", "bucket_cap_mb": 5}).bucket_cap_mb == 5
+        config = DistributedConfig(strategy="ddp")
+        assert resolve_config(config) is config
+
+    def test_bad(self) -> None:
+        with pytest.raises(TypeError, match="config must be a DistributedConfig, .* got int"):
+            resolve_config(3)  # type: ignore[arg-type]
+        with pytest.raises(
+            ValueError,
+            match=r"^training.distributed.strategy must be one of \{ddp, fsdp\}, got 'dpp'",
+        ):
+            resolve_config("dpp")
+        with pytest.raises(
+            ValueError, match="unknown key\\(s\\) in training.distributed: 'bucket_cap'"
+        ):
+            resolve_config({"bucket_cap": 5})
+
+
+@pytest.mark.usefixtures("process_group")
+class TestPrepareModel:
+    def test_ddp(self, caplog: pytest.LogCaptureFixture) -> None:
+        with caplog.at_level(logging.INFO, logger="distributed_strategy"):
+            model = prepare_model(
+                RunnerNet,
+                {"width": 4},
+                config={"strategy": "ddp", "bucket_cap_mb": 1},
+                device="cpu",
+                default_dtype=torch.float32,
+                seed=5,
+                forward_methods=["loss"],
+            )
+        assert isinstance(model, DelegatingDistributedDataParallel)
+        assert model.bucket_bytes_cap == 1024 * 1024
+        assert model.latent_seq_len == 7
+        model.loss(torch.ones(2, 4)).backward()
+        (line,) = [
+            r.getMessage() for r in caplog.records if r.name.startswith("distributed_strategy")
+        ]
+        assert line.startswith(
+            "prepared RunnerNet for DDP on 1 rank(s): 28 parameters, 8 trainable"
+        )
+        for stage in ("build", "trainable", "verify", "wrap"):
+            assert f"{stage} " in line and " ms" in line
+
+    def test_fsdp_with_policy_and_source(self) -> None:
+        def freeze(model: nn.Module) -> None:
+            model.encoder.requires_grad_(False)
+
+        model = prepare_model(
+            Regressor,
+            None,
+            config="fsdp",
+            device="cpu",
+            default_dtype=torch.float32,
+            seed=5,
+            trainable=freeze,
+            source="rank0",
+        )
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        assert not model.encoder.weight.requires_grad
+        assert model.blocks[0].norm.weight.requires_grad
+
+    def test_trainable_policy_may_return_the_module(self) -> None:
+        swapped = Regressor()
+        model = prepare_model(
+            Regressor,
+            None,
+            config="ddp",
+            device="cpu",
+            default_dtype=torch.float32,
+            seed=5,
+            trainable=lambda m: swapped,
+            verify=False,
+        )
+        assert model.module is swapped
+
+    def test_bad_trainable_policy(self) -> None:
+        with pytest.raises(
+            TypeError, match="trainable must be a callable taking the model, got int"
+        ):
+            prepare_model(
+                Regressor,
+                None,
+                config="ddp",
+                device="cpu",
+                default_dtype=torch.float32,
+                seed=5,
+                trainable=3,
+            )  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="'<lambda>' returned str"):
+            prepare_model(
+                Regressor,
+                None,
+                config="ddp",
+                device="cpu",
+                default_dtype=torch.float32,
+                seed=5,
+                trainable=lambda m: "frozen",
+            )  # type: ignore[arg-type,return-value]
+
+    def test_bad_source(self) -> None:
+        with pytest.raises(
+            ValueError,
+            match="training.distributed.source must be one of \\{local, rank0\\}, got 'rank1'",
+        ):
+            prepare_model(
+                Regressor,
+                None,
+                config="ddp",
+                device="cpu",
+                default_dtype=torch.float32,
+                seed=5,
+                source="rank1",
+            )
+
+    def test_restores_rng_and_default_dtype(self) -> None:
+        rng = torch.get_rng_state()
+        prepare_model(
+            Regressor, None, config="ddp", device="cpu", default_dtype=torch.float64, seed=5
+        )
+        assert torch.equal(torch.get_rng_state(), rng)
+        assert torch.get_default_dtype() == torch.float32

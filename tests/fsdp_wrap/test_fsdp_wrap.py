@@ -1,0 +1,180 @@
+"""wrap_module_fsdp on a one-rank gloo group, plus one two-rank run."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from dist_harness import run_ranks
+from fsdp_wrap import (
+    mixed_precision_policy,
+    select_shard_targets,
+    torch_dtype,
+    wrap_module_fsdp,
+)
+from toy_models import Block, Regressor, RunnerNet, ToyNet
+
+
+class TestShardPolicy:
+    def test_default_is_each_module_list_member(self) -> None:
+        model = ToyNet(depth=3)
+        assert select_shard_targets(model, None) == list(reversed(list(model.blocks)))
+
+    def test_classes_and_names(self) -> None:
+        model = Regressor()
+        by_class = select_shard_targets(model, [Block])
+        by_name = select_shard_targets(model, ["Block"])
+        assert by_class == by_name == list(reversed(list(model.blocks)))
+        linears = select_shard_targets(model, [nn.Linear])
+        assert model.encoder in linears and model.out in linears
+
+    def test_children_come_before_parents(self) -> None:
+        model = Regressor()
+        order = select_shard_targets(model, ["Block", "Sequential"])
+        for block in model.blocks:
+            assert order.index(block.mlp) < order.index(block)
+
+    def test_callable(self) -> None:
+        model = Regressor()
+        assert select_shard_targets(model, lambda m: m is model.out) == [model.out]
+        assert model not in select_shard_targets(model, lambda m: True)  # never the root
+
+    def test_unknown_class_name(self) -> None:
+        with pytest.raises(ValueError) as info:
+            select_shard_targets(Regressor(), ["Blok"])
+        message = str(info.value)
+        assert (
+            "shard names class(es) that no submodule has: 'Blok' (did you mean 'Block'?)" in message
+        )
+        assert "Linear" in message
+
+    @pytest.mark.parametrize("shard", ["Block", 3, Block])
+    def test_bad_type(self, shard: object) -> None:
+        with pytest.raises(TypeError, match="shard must be None, a callable"):
+            select_shard_targets(Regressor(), shard)  # type: ignore[arg-type]
+
+    def test_bad_entry(self) -> None:
+        with pytest.raises(
+            TypeError, match="shard entries must be nn.Module classes or class names, got int"
+        ):
+            select_shard_targets(Regressor(), ["Block", 3])  # type: ignore[list-item]
+
+
+class TestPrecision:
+    def test_names(self) -> None:
+        assert torch_dtype("bf16") is torch.bfloat16
+        assert torch_dtype("Float16") is torch.float16
+        assert torch_dtype(torch.float32) is torch.float32
+        assert torch_dtype(None) is None
+        policy = mixed_precision_policy("bf16", "fp32")
+        assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+
+    def test_unknown_name_lists_the_valid_ones(self) -> None:
+        with pytest.raises(ValueError) as info:
+            mixed_precision_policy("bf61", None)
+        message = str(info.value)
+        assert message.startswith("param_dtype must be one of {")
+        assert "bf16" in message and "fp16" in message and "fp32" in message
+        assert "got 'bf61'" in message
+
+    def test_bad_dtype(self) -> None:
+        with pytest.raises(ValueError, match="reduce_dtype must be one of torch.bfloat16"):
+            mixed_precision_policy(None, torch.float64)
+        with pytest.raises(TypeError, match="param_dtype must be a dtype name"):
+            mixed_precision_policy(16, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("process_group")
+class TestWrap:
+    def test_shards_and_trains(self, caplog: pytest.LogCaptureFixture) -> None:
+        torch.manual_seed(0)
+        model = Regressor()
+        reference = Regressor()
+        reference.load_state_dict(model.state_dict())
+        with caplog.at_level(logging.INFO, logger="fsdp_wrap"):
+            wrapped = wrap_module_fsdp(model, device="cpu")
+        assert wrapped is model
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        records = [r.getMessage() for r in caplog.records if r.name.startswith("fsdp_wrap")]
+        assert len(records) == 1
+        assert (
+            "sharded Regressor with FSDP2 on cpu (rank 0 of 1): 2 unit(s) plus the root"
+            in records[0]
+        )
+        x = torch.randn(3, 8)
+        assert torch.allclose(model(x), reference(x))
+
+    def test_mixed_precision_compute(self) -> None:
+        model = wrap_module_fsdp(Regressor(), device="cpu", param_dtype="bf16", reduce_dtype="fp32")
+        assert model(torch.randn(2, 8)).dtype == torch.bfloat16
+        assert next(iter(model.parameters())).dtype == torch.float32  # sharded master weights
+
+    def test_same_checks_as_ddp(self) -> None:
+        with pytest.raises(TypeError, match="wrap_module_fsdp needs an nn.Module, got str"):
+            wrap_module_fsdp("m", device="cpu")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="wrap_module_fsdp needs at least one parameter"):
+            wrap_module_fsdp(Regressor().requires_grad_(False), device="cpu")
+        with pytest.raises(ValueError, match="concrete CUDA device such as 'cuda:0'"):
+            wrap_module_fsdp(Regressor(), device="cuda")
+        with pytest.raises(ValueError, match="parameter 'encoder.weight' of Regressor is on cpu"):
+            wrap_module_fsdp(Regressor(), device="cuda:0")
+
+    def test_bad_arguments_leave_the_model_unsharded(self) -> None:
+        model = RunnerNet()
+        with pytest.raises(ValueError, match="param_dtype must be one of"):
+            wrap_module_fsdp(model, device="cpu", param_dtype="int8")
+        with pytest.raises(AttributeError, match="RunnerNet has no attribute 'odewrapper'"):
+            wrap_module_fsdp(model, device="cpu", forward_methods=["odewrapper"])
+        with pytest.raises(ValueError, match="name a method other than forward"):
+            wrap_module_fsdp(model, device="cpu", forward_methods=["latent_seq_len"])
+        with pytest.raises(TypeError, match="reshard_after_forward must be a bool"):
+            wrap_module_fsdp(model, device="cpu", reshard_after_forward="yes")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="shard names class"):
+            wrap_module_fsdp(model, device="cpu", shard=["Nope"])
+        assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+    def test_mesh(self) -> None:
+        mesh = init_device_mesh("cpu", (1,))
+        model = wrap_module_fsdp(Regressor(), device="cpu", mesh=mesh, reshard_after_forward=False)
+        assert next(iter(model.parameters())).device_mesh == mesh
+        with pytest.raises(TypeError, match="mesh must be a DeviceMesh or None, got str"):
+            wrap_module_fsdp(Regressor(), device="cpu", mesh="cpu")  # type: ignore[arg-type]
+
+
+def test_uninitialised_process_group_is_refused() -> None:
+    code = textwrap.dedent(
+        """
+        import torch
+        from fsdp_wrap import wrap_module_fsdp
+        try:
+            wrap_module_fsdp(torch.nn.Linear(2, 2), device="cpu")
+        except RuntimeError as error:
+            print(error)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    assert "wrap_module_fsdp requires an initialised torch.distributed process group" in out
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_shard_and_synchronise() -> None:
+    from fsdp_wrap_workers import sharded_step
+
+    r0, r1 = run_ranks(sharded_step, world_size=2)
+    for r in (r0, r1):
+        assert r["sharded"]
+        assert r["local_rows"] == 2  # the (4, 4) weight split by rows over two ranks
+    assert r0["grads"] == r1["grads"]
+    for name, grad in r0["grads"].items():
+        mean = (torch.tensor(r0["local_grads"][name]) + torch.tensor(r1["local_grads"][name])) / 2
+        assert torch.allclose(torch.tensor(grad), mean), name
