@@ -41,12 +41,13 @@ def check_wrap_preconditions(module: object, device: object, *, wrapper: str) ->
             f"{wrapper} requires an initialised torch.distributed process group; call "
             "torch.distributed.init_process_group() (e.g. under torchrun) before wrapping"
         )
-    total = sum(1 for _ in module.parameters())
-    if not any(p.requires_grad for p in module.parameters()):
+    params = list(module.named_parameters())  # one pass: checks run on every wrap
+    if not any(param.requires_grad for _, param in params):
         raise ValueError(
             f"{wrapper} needs at least one parameter with requires_grad=True; "
-            f"{type(module).__name__} has {total} parameter tensor(s) and none is trainable. "
-            "Apply the trainable policy so that something trains, or do not wrap the model"
+            f"{type(module).__name__} has {len(params)} parameter tensor(s) and none is "
+            "trainable. Apply the trainable policy so that something trains, or do not wrap "
+            "the model"
         )
     target = resolve_wrap_device(device)
     if target.type == "cuda" and target.index is None:
@@ -54,7 +55,7 @@ def check_wrap_preconditions(module: object, device: object, *, wrapper: str) ->
             f"device must be a concrete CUDA device such as 'cuda:0' (this rank's GPU, "
             f"usually cuda:LOCAL_RANK), got {str(target)!r}"
         )
-    for name, param in module.named_parameters():
+    for name, param in params:
         if param.device != target:
             raise ValueError(
                 f"parameter '{name}' of {type(module).__name__} is on {param.device}, but "

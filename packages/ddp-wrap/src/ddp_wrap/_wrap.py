@@ -84,19 +84,19 @@ def wrap_module_ddp(
         detect_bypass=detect_bypass,
         **ddp_kwargs,
     )
-    trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    logger.info(
-        "wrapped %s in DDP on %s (rank %d of %d): %d of %d parameters trainable, "
-        "broadcast_buffers=%s, forward methods %s",
-        type(module).__name__,
-        target,
-        dist.get_rank(),
-        dist.get_world_size(),
-        trainable,
-        sum(p.numel() for p in module.parameters()),
-        broadcast_buffers,
-        list(names),
-    )
+    if logger.isEnabledFor(logging.INFO):  # the counts walk every parameter: only if shown
+        logger.info(
+            "wrapped %s in DDP on %s (rank %d of %d): %d of %d parameters trainable, "
+            "broadcast_buffers=%s, forward methods %s",
+            type(module).__name__,
+            target,
+            dist.get_rank(),
+            dist.get_world_size(),
+            sum(p.numel() for p in module.parameters() if p.requires_grad),
+            sum(p.numel() for p in module.parameters()),
+            broadcast_buffers,
+            list(names),
+        )
     return wrapped
 
 

@@ -1,0 +1,7 @@
+"""``python -m strategy_bench``."""
+
+from __future__ import annotations
+
+from strategy_bench._cli import main
+
+raise SystemExit(main())

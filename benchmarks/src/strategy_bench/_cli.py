@@ -1,0 +1,328 @@
+"""The ``strategy-bench`` command line: ``run``, ``sweep`` and ``plot``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from strategy_bench._errors import BenchUsageError
+from strategy_bench._launch import launch, under_torchrun
+from strategy_bench._measure import RunOptions
+from strategy_bench._plan import Config, Plan, WorkloadSpec
+from strategy_bench._presets import CPU_DEFAULT_MODELS, GPU_DEFAULT_MODELS, PRESETS
+from strategy_bench._results import read_results
+from strategy_bench._sweep import parse_memory, recommend, sweep_configs, yaml_section
+from strategy_bench._table import summary_table
+from strategy_bench._workload import check_workload, load_callable, parse_init_params
+from strategy_bench._wrappers import STRATEGIES
+
+USAGE_EXIT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad input is one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_EXIT, f"strategy-bench: error: {message} (see {self.prog} --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="strategy-bench",
+        description="DDP vs FSDP: step throughput, wrap overhead, init time and memory.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    run = commands.add_parser("run", help="measure every strategy x model")
+    _add_run_arguments(run)
+    run.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    sweep = commands.add_parser("sweep", help="sweep the strategy knobs and recommend a config")
+    _add_run_arguments(sweep)
+    sweep.add_argument(
+        "--time-budget",
+        type=float,
+        default=900.0,
+        metavar="SECONDS",
+        help="stop measuring new points once this would be exceeded (default 900)",
+    )
+    sweep.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="SIZE",
+        help="the recommendation must fit this peak memory per rank (e.g. 40GiB, 512MiB)",
+    )
+    plot = commands.add_parser("plot", help="redraw plots from results files, side by side")
+    plot.add_argument("results", nargs="+", type=Path, metavar="RESULTS.json")
+    plot.add_argument("--out", type=Path, default=None, help="folder for the PNGs")
+    return parser
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks to spawn (default: every visible GPU on CUDA, 2 on CPU)",
+    )
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=sorted(PRESETS),
+        default=None,
+        help="preset sizes (default: tiny small on CPU, small medium large on CUDA)",
+    )
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per rank per step")
+    parser.add_argument("--seq-len", type=int, default=None, help="override the presets' length")
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: autocast compute, fp32 master weights",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench-results/latest"))
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="end the whole run after this (default 3600)",
+    )
+    parser.add_argument(
+        "--model-factory",
+        default=None,
+        metavar="package.module:callable",
+        help="benchmark your own model (with --input-factory)",
+    )
+    parser.add_argument(
+        "--init-params",
+        default=None,
+        metavar="JSON",
+        help="keyword arguments for --model-factory, a JSON object",
+    )
+    parser.add_argument(
+        "--input-factory",
+        default=None,
+        metavar="package.module:callable",
+        help="(batch_size, device, generator) -> one batch for one rank",
+    )
+    parser.add_argument(
+        "--trainable",
+        default=None,
+        metavar="package.module:callable",
+        help="trainable policy applied to the built model before the wrap",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "plot":
+            return _plot(args.results, args.out)
+        plan, extra = _plan(args)
+    except BenchUsageError as error:
+        sys.stderr.write(f"strategy-bench: error: {error}\n")
+        return USAGE_EXIT
+    torchrun = under_torchrun()
+    if not torchrun:
+        sys.stderr.write(
+            f"strategy-bench: {len(plan.configs)} configuration(s) on {plan.world_size} "
+            f"{plan.backend} rank(s); results in {plan.out_dir}\n"
+        )
+    code = launch(plan, timeout_s=args.timeout)
+    if code != 0 or (torchrun and torch.distributed.is_available() and _rank() != 0):
+        return code
+    return _report(plan, extra)
+
+
+def _rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
+def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
+    device = _resolve_device(args.device)
+    world = _world_size(args.world_size, device)
+    for name in ("steps", "batch_size"):
+        if getattr(args, name) < 1:
+            raise BenchUsageError(
+                f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+            )
+    if args.warmup < 0:
+        raise BenchUsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.seq_len is not None and args.seq_len < 2:
+        raise BenchUsageError(f"--seq-len must be >= 2, got {args.seq_len}")
+    if args.dtype == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
+        raise BenchUsageError("--dtype bf16 but this GPU does not support bfloat16; use fp32")
+    workloads = _workloads(args, device)
+    extra: dict[str, Any] = {"command": args.command}
+    if args.command == "sweep":
+        bf16 = device == "cpu" or torch.cuda.is_bf16_supported()
+        configs = sweep_configs(len(workloads), bf16)
+        extra["memory_budget"] = (
+            None if args.memory_budget is None else parse_memory(args.memory_budget)
+        )
+        budget: float | None = args.time_budget
+        if budget is not None and budget <= 0:
+            raise BenchUsageError(f"--time-budget must be positive seconds, got {budget}")
+    else:
+        configs = [
+            Config(workload=index, strategy=strategy)
+            for index in range(len(workloads))
+            for strategy in args.strategies
+        ]
+        budget = None
+    options = RunOptions(
+        steps=args.steps,
+        warmup=args.warmup,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
+    plan = Plan(
+        device=device,
+        world_size=world,
+        workloads=workloads,
+        configs=configs,
+        options=options,
+        out_dir=str(args.out),
+        time_budget_s=budget,
+        kind=args.command,
+    )
+    return plan, extra
+
+
+def _resolve_device(requested: str) -> str:
+    if under_torchrun() and requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise BenchUsageError(
+            "--device cuda but no CUDA device is visible (torch.cuda.is_available() is False); "
+            "use --device cpu"
+        )
+    return requested
+
+
+def _world_size(requested: int | None, device: str) -> int:
+    if under_torchrun():
+        import os
+
+        return int(os.environ["WORLD_SIZE"])
+    if requested is not None and requested < 1:
+        raise BenchUsageError(f"--world-size must be >= 1, got {requested}")
+    if device == "cuda":
+        gpus = torch.cuda.device_count()
+        if requested is not None and requested > gpus:
+            raise BenchUsageError(
+                f"--world-size {requested} but only {gpus} GPU(s) are visible; use at most "
+                f"{gpus}, or torchrun across nodes"
+            )
+        return requested or gpus
+    return requested or 2
+
+
+def _workloads(args: argparse.Namespace, device: str) -> list[WorkloadSpec]:
+    user = (args.model_factory, args.input_factory)
+    if any(user) and not all(user):
+        missing = "--input-factory" if args.model_factory else "--model-factory"
+        raise BenchUsageError(f"--model-factory and --input-factory go together; add {missing}")
+    if (args.init_params or args.trainable) and not args.model_factory:
+        raise BenchUsageError("--init-params and --trainable need --model-factory")
+    specs: list[WorkloadSpec] = []
+    if args.model_factory:
+        load_callable(args.model_factory, argument="--model-factory")
+        load_callable(args.input_factory, argument="--input-factory")
+        if args.trainable:
+            load_callable(args.trainable, argument="--trainable")
+        parse_init_params(args.init_params)
+        spec = WorkloadSpec(
+            model_factory=args.model_factory,
+            init_params=args.init_params,
+            input_factory=args.input_factory,
+            trainable=args.trainable,
+        )
+        check_workload(spec.build(), args.batch_size)
+        specs.append(spec)
+    models = args.models
+    if models is None and not specs:
+        if args.command == "sweep":
+            models = ["small"] if device == "cpu" else ["medium"]
+        else:
+            models = list(CPU_DEFAULT_MODELS if device == "cpu" else GPU_DEFAULT_MODELS)
+    specs += [WorkloadSpec(preset=name, seq_len=args.seq_len) for name in models or ()]
+    return specs
+
+
+def _report(plan: Plan, extra: dict[str, Any]) -> int:
+    from strategy_bench._plots import plot_runs, plot_sweep, run_label
+
+    out = Path(plan.out_dir)
+    payload = read_results(out / "results.json")
+    rows = payload["results"]
+    pngs = plot_runs([(run_label(payload), payload)], out)
+    print(summary_table(rows))
+    for skipped in payload.get("skipped", []):
+        print(f"skipped (time budget): {skipped}")
+    if extra["command"] == "sweep" and rows:
+        pngs.append(plot_sweep(payload, out / "sweep.png"))
+        found = recommend(rows, extra["memory_budget"])
+        if found is None:
+            print(
+                f"no measured point fits --memory-budget "
+                f"{extra['memory_budget'] / 2**20:.0f} MiB per rank; raise it or shrink the batch"
+            )
+        else:
+            section, _, reason = found
+            (out / "recommended.json").write_text(json.dumps(section, indent=2) + "\n")
+            print(f"\nrecommended ({reason}):\n{yaml_section(section)}")
+            print(f"saved to {out / 'recommended.json'}")
+    ratios = [
+        f"{row['model']}: FSDP/DDP throughput {fsdp['samples_per_s'] / row['samples_per_s']:.2f}x"
+        for row in rows
+        if row["strategy"] == "ddp" and not row["knobs"]
+        for fsdp in rows
+        if fsdp["strategy"] == "fsdp" and fsdp["model"] == row["model"] and not fsdp["knobs"]
+    ]
+    for line in ratios:
+        print(line)
+    print(f"results: {out / 'results.json'}")
+    print("plots: " + ", ".join(str(p) for p in pngs))
+    return 0
+
+
+def _plot(paths: Sequence[Path], out: Path | None) -> int:
+    from strategy_bench._plots import plot_runs, run_label
+
+    runs = []
+    for path in paths:
+        try:
+            payload = read_results(path)
+        except ValueError as error:
+            raise BenchUsageError(str(error)) from None
+        label = run_label(payload)
+        if len(paths) > 1:
+            label = f"{path.parent.name}: {label}"
+        runs.append((label, payload))
+    target = out or (paths[0].parent if len(paths) == 1 else paths[0].parent / "compare")
+    pngs = plot_runs(runs, target)
+    for label, payload in runs:
+        print(f"== {label}")
+        print(summary_table(payload["results"]))
+    print("plots: " + ", ".join(str(p) for p in pngs))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,71 @@
+"""Peak memory of one rank: the CUDA allocator's peak, or the process's resident set on CPU."""
+
+from __future__ import annotations
+
+import os
+import threading
+import types
+
+import torch
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def current_rss() -> int:
+    """Resident set size of this process in bytes (0 where ``/proc`` is unavailable)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            return int(statm.read().split()[1]) * _PAGE
+    except OSError:  # pragma: no cover - not Linux
+        return 0
+
+
+class PeakMemory:
+    """Context manager measuring peak memory while the block runs.
+
+    On a CUDA device: ``torch.cuda.max_memory_allocated`` after resetting the peak on entry.
+    On CPU: the largest resident set size sampled every ``interval`` seconds by a background
+    thread (and at both ends), so it includes everything the process holds.
+
+    Attributes:
+        peak: The peak in bytes, set on exit.
+        start: Memory in use on entry, in bytes.
+    """
+
+    def __init__(self, device: torch.device, *, interval: float = 0.002) -> None:
+        self.device = device
+        self.interval = interval
+        self.peak = 0
+        self.start = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+            return self
+        self.start = self.peak = current_rss()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.peak = max(self.peak, current_rss())
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, current_rss())

@@ -1,0 +1,77 @@
+"""What a run measures, as plain picklable values (it travels to spawned ranks)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from strategy_bench._measure import RunOptions
+from strategy_bench._workload import Workload, preset_workload, user_workload
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSpec:
+    """A preset name, or the user's factories as ``package.module:callable`` strings."""
+
+    preset: str | None = None
+    seq_len: int | None = None
+    model_factory: str | None = None
+    init_params: str | None = None
+    input_factory: str | None = None
+    trainable: str | None = None
+
+    def build(self) -> Workload:
+        """The workload this spec names."""
+        if self.preset is not None:
+            return preset_workload(self.preset, seq_len=self.seq_len)
+        assert self.model_factory is not None and self.input_factory is not None
+        return user_workload(
+            self.model_factory, self.init_params, self.input_factory, self.trainable
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One measured point: a workload (index into the plan's), a strategy and its knobs."""
+
+    workload: int
+    strategy: str
+    knobs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def describe(self, workloads: list[WorkloadSpec]) -> dict[str, Any]:
+        """A JSON-friendly description (for the skipped list)."""
+        spec = workloads[self.workload]
+        name = spec.preset or (spec.model_factory or "").rsplit(":", 1)[-1]
+        return {"model": name, "strategy": self.strategy, "knobs": dict(self.knobs)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A whole run.
+
+    Attributes:
+        device: ``"cpu"`` or ``"cuda"``.
+        world_size: Ranks when spawning (ignored under torchrun, which says).
+        workloads: The models.
+        configs: The points, measured in this order.
+        options: How each point is measured.
+        out_dir: Where rank 0 writes ``results.json``.
+        time_budget_s: Skip the remaining points once this would be exceeded (``None``: never).
+        pg_timeout_s: Collective timeout: a lost rank fails the others after this at worst.
+        kind: ``"run"`` or ``"sweep"`` (recorded in the results).
+    """
+
+    device: str
+    world_size: int
+    workloads: list[WorkloadSpec]
+    configs: list[Config]
+    options: RunOptions
+    out_dir: str
+    time_budget_s: float | None = None
+    pg_timeout_s: float = 300.0
+    kind: str = "run"
+
+    @property
+    def backend(self) -> str:
+        """NCCL on CUDA, gloo on CPU."""
+        return "nccl" if self.device == "cuda" else "gloo"

@@ -1,0 +1,240 @@
+"""PNG plots of one or several results files, readable without the JSON."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # the backend is chosen first
+
+_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860")
+
+
+def run_label(payload: Mapping[str, Any]) -> str:
+    """A short name for a run: device, world size, backend."""
+    env = payload["env"]
+    return f"{env.get('device_name') or env['device']} x{env['world_size']} ({env['backend']})"
+
+
+def plot_runs(runs: Sequence[tuple[str, Mapping[str, Any]]], out_dir: Path) -> list[Path]:
+    """Draw every plot for one or several runs side by side; return the PNG paths.
+
+    Args:
+        runs: ``(label, results payload)`` pairs.
+        out_dir: Where the PNGs go.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drawn = [
+        _throughput(runs, out_dir / "throughput.png"),
+        _wrap_overhead(runs, out_dir / "wrap_overhead.png"),
+        _memory(runs, out_dir / "memory.png"),
+        _step_spread(runs, out_dir / "step_spread.png"),
+        _init(runs, out_dir / "init_time.png"),
+    ]
+    return [path for path in drawn if path is not None]
+
+
+def _rows(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    return [(label, row) for label, payload in runs for row in payload["results"]]
+
+
+def _series_label(label: str, strategy: str, multi: bool) -> str:
+    return f"{strategy.upper()} - {label}" if multi else strategy.upper()
+
+
+def _grouped(
+    runs: Sequence[tuple[str, Mapping[str, Any]]], value: Callable[[dict[str, Any]], float | None]
+) -> tuple[list[str], dict[str, list[float | None]]]:
+    """Models on the x axis, one series per (run, strategy)."""
+    rows = _rows(runs)
+    models = list(dict.fromkeys(row["model"] for _, row in rows))
+    multi = len(runs) > 1
+    series: dict[str, list[float | None]] = {}
+    for label, row in rows:
+        name = _series_label(label, row["strategy"], multi)
+        values = series.setdefault(name, [None] * len(models))
+        values[models.index(row["model"])] = value(row)
+    return models, series
+
+
+def _bars(
+    ax: Any,
+    groups: Sequence[str],
+    series: Mapping[str, Sequence[float | None]],
+    *,
+    annotate: Callable[[float], str] | None = None,
+    errors: Mapping[str, Sequence[tuple[float, float] | None]] | None = None,
+) -> None:
+    width = 0.8 / max(1, len(series))
+    for index, (name, values) in enumerate(series.items()):
+        xs = [g + (index - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        heights = [v if v is not None else 0.0 for v in values]
+        yerr = None
+        if errors is not None and name in errors:
+            spans = errors[name]
+            yerr = [
+                [h - s[0] if s else 0.0 for h, s in zip(heights, spans, strict=True)],
+                [s[1] - h if s else 0.0 for h, s in zip(heights, spans, strict=True)],
+            ]
+        bars = ax.bar(
+            xs,
+            heights,
+            width,
+            label=name,
+            color=_COLOURS[index % len(_COLOURS)],
+            yerr=yerr,
+            capsize=4,
+        )
+        if annotate is not None:
+            for bar, value in zip(bars, values, strict=True):
+                if value is not None:
+                    ax.annotate(
+                        annotate(value),
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                    )
+    ax.set_xticks(range(len(groups)), groups)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _throughput(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
+    models, series = _grouped(runs, lambda row: row["samples_per_s"])
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(models)), 4.5))
+    _bars(ax, models, series, annotate=lambda v: f"{v:.0f}")
+    ax.set_ylabel("samples / s (all ranks, higher is better)")
+    ratios = _fsdp_over_ddp(runs)
+    subtitle = "; ".join(f"{m}: FSDP/DDP {r:.2f}x" for m, r in ratios.items())
+    ax.set_title(f"Training throughput, DDP vs FSDP\n{subtitle}", fontsize=10)
+    return _save(fig, path)
+
+
+def _fsdp_over_ddp(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, float]:
+    payload = runs[0][1]
+    by = {(r["model"], r["strategy"]): r["samples_per_s"] for r in payload["results"]}
+    return {
+        model: by[(model, "fsdp")] / by[(model, "ddp")]
+        for model, strategy in by
+        if strategy == "ddp" and (model, "fsdp") in by and by[(model, "ddp")]
+    }
+
+
+def _wrap_overhead(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
+    rows = _rows(runs)
+    multi = len(runs) > 1
+    groups = [
+        f"{row['model']}\n{_series_label(label, row['strategy'], multi)}" for label, row in rows
+    ]
+    series = {
+        "ours, warm": [row["wrap_ms"] for _, row in rows],
+        "raw torch, warm": [row["raw_wrap_ms"] for _, row in rows],
+        "ours, cold group": [row.get("wrap_cold_ms") for _, row in rows],
+        "raw torch, cold group": [row.get("raw_wrap_cold_ms") for _, row in rows],
+    }
+    fig, ax = plt.subplots(figsize=(max(7, 1.8 * len(groups)), 4.8))
+    _bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
+    ax.set_ylabel("wrap time, ms (lower is better)")
+    ratios = ", ".join(
+        f"{row['model']} {row['strategy'].upper()} {row['wrap_ms'] / row['raw_wrap_ms']:.2f}x"
+        for _, row in rows
+        if row["raw_wrap_ms"]
+    )
+    ax.set_title(
+        f"Wrap time: ours vs raw torch on the same module\nours/raw (warm): {ratios}", fontsize=9
+    )
+    ax.tick_params(axis="x", labelsize=7)
+    return _save(fig, path)
+
+
+def _memory(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
+    rows = _rows(runs)
+    multi = len(runs) > 1
+    groups = [
+        f"{row['model']}\n{_series_label(label, row['strategy'], multi)}" for label, row in rows
+    ]
+    world = max(len(row["peak_mem_per_rank"]) for _, row in rows)
+    series = {
+        f"rank {rank}": [
+            row["peak_mem_per_rank"][rank] / 2**20 if rank < len(row["peak_mem_per_rank"]) else None
+            for _, row in rows
+        ]
+        for rank in range(world)
+    }
+    fig, ax = plt.subplots(figsize=(max(7, 1.8 * len(groups)), 4.8))
+    _bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
+    device = runs[0][1]["env"]["device"]
+    what = "CUDA allocator peak" if device == "cuda" else "process RSS peak (whole process)"
+    ax.set_ylabel(f"MiB per rank ({what})")
+    ax.set_title("Peak memory per rank during training steps", fontsize=10)
+    ax.tick_params(axis="x", labelsize=7)
+    return _save(fig, path)
+
+
+def _step_spread(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
+    models, series = _grouped(runs, lambda row: row["step_ms_median"])
+    _, spans_lo = _grouped(runs, lambda row: row["step_ms_p10"])
+    _, spans_hi = _grouped(runs, lambda row: row["step_ms_p90"])
+    errors = {
+        name: [
+            (lo, hi) if lo is not None and hi is not None else None
+            for lo, hi in zip(spans_lo[name], spans_hi[name], strict=True)
+        ]
+        for name in series
+    }
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(models)), 4.5))
+    _bars(ax, models, series, annotate=lambda v: f"{v:.1f}", errors=errors)
+    ax.set_ylabel("step time, ms: median, whiskers p10-p90")
+    ax.set_title("Training step time and its spread", fontsize=10)
+    return _save(fig, path)
+
+
+def _init(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path | None:
+    rows = [(label, row) for label, row in _rows(runs) if row["strategy"] == "ddp"] or _rows(runs)
+    if not rows:
+        return None
+    multi = len(runs) > 1
+    groups = [f"{row['model']}" + (f"\n{label}" if multi else "") for label, row in rows]
+    series = {
+        'source="local" (every rank builds)': [row["init_ms"] for _, row in rows],
+        'source="rank0" (build once, broadcast)': [row.get("init_rank0_ms") for _, row in rows],
+    }
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(groups)), 4.5))
+    _bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
+    ax.set_ylabel("replica build time, ms (slowest rank)")
+    ax.set_title("Replica construction: local vs rank-0 broadcast", fontsize=10)
+    return _save(fig, path)
+
+
+def plot_sweep(payload: Mapping[str, Any], path: Path) -> Path:
+    """Throughput against peak memory, one labelled point per sweep point."""
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for index, strategy in enumerate(("ddp", "fsdp")):
+        rows = [r for r in payload["results"] if r["strategy"] == strategy]
+        if not rows:
+            continue
+        xs = [r["peak_mem_bytes"] / 2**20 for r in rows]
+        ys = [r["samples_per_s"] for r in rows]
+        ax.scatter(xs, ys, label=strategy.upper(), color=_COLOURS[index], s=40)
+        for x, y, row in zip(xs, ys, rows, strict=True):
+            text = ", ".join(f"{k}={v}" for k, v in row["knobs"].items()) or "defaults"
+            ax.annotate(text, (x, y), fontsize=6, xytext=(4, 3), textcoords="offset points")
+    ax.set_xlabel("peak memory per rank, MiB (lower is better)")
+    ax.set_ylabel("samples / s (higher is better)")
+    models = sorted({r["model"] for r in payload["results"]})
+    ax.set_title(f"Strategy knobs: throughput vs memory ({', '.join(models)})", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path)

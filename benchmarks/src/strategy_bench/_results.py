@@ -1,0 +1,174 @@
+"""``results.json``: the environment and one row per configuration, merged over ranks."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from strategy_bench._timing import summarize
+
+SCHEMA = 1
+REQUIRED_ROW_KEYS = (
+    "strategy",
+    "model",
+    "world_size",
+    "backend",
+    "init_ms",
+    "wrap_ms",
+    "raw_wrap_ms",
+    "step_ms_median",
+    "step_ms_p10",
+    "step_ms_p90",
+    "samples_per_s",
+    "tokens_per_s",
+    "peak_mem_bytes",
+    "mfu",
+)
+
+
+def environment(
+    device: torch.device, backend: str, world_size: int, peak_flops: float | None
+) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "backend": backend,
+        "device": device.type,
+        "device_name": name or platform.machine(),
+        "world_size": world_size,
+        "git": _git_revision(),
+        "host": platform.node(),
+        "cpu_threads": torch.get_num_threads(),
+        "peak_flops": peak_flops,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def merge_ranks(
+    per_rank: Sequence[Mapping[str, Any]],
+    *,
+    strategy: str,
+    model: str,
+    knobs: Mapping[str, Any],
+    env: Mapping[str, Any],
+    batch_size: int,
+    dtype: str,
+    tokens_per_sample: int | None,
+    flops_per_sample: float | None,
+) -> dict[str, Any]:
+    """One results row from every rank's measurements.
+
+    Times are the slowest rank's (a step ends when the last rank ends it); memory is the
+    largest rank's, with every rank's value kept in ``peak_mem_per_rank``.
+    """
+    world = len(per_rank)
+    steps = [max(values) for values in zip(*(r["step_ms"] for r in per_rank), strict=True)]
+    stats = summarize(steps)
+    samples_per_s = batch_size * world / (stats["median"] / 1e3)
+    peak_flops = env.get("peak_flops")
+    mfu = None
+    if flops_per_sample is not None and peak_flops:
+        mfu = flops_per_sample * samples_per_s / (peak_flops * world)
+    wrap_ms = max(r["wrap_ms"] for r in per_rank)
+    raw_wrap_ms = max(r["raw_wrap_ms"] for r in per_rank)
+    row: dict[str, Any] = {
+        "strategy": strategy,
+        "model": model,
+        "world_size": world,
+        "backend": env["backend"],
+        "device": env["device"],
+        "dtype": dtype,
+        "batch_size": batch_size,
+        "tokens_per_sample": tokens_per_sample,
+        "params": per_rank[0]["params"],
+        "trainable_params": per_rank[0]["trainable_params"],
+        "knobs": dict(knobs),
+        "init_ms": max(r["init_ms"] for r in per_rank),
+        "init_rank0_ms": _max_or_none(per_rank, "init_rank0_ms"),
+        "init_host_peak_per_rank": [r["init_host_peak_bytes"] for r in per_rank],
+        "init_rank0_host_peak_per_rank": [r.get("init_rank0_host_peak_bytes") for r in per_rank],
+        "wrap_ms": wrap_ms,
+        "raw_wrap_ms": raw_wrap_ms,
+        "wrap_overhead": wrap_ms / raw_wrap_ms if raw_wrap_ms > 0 else None,
+        "wrap_cold_ms": max(r["wrap_cold_ms"] for r in per_rank),
+        "raw_wrap_cold_ms": max(r["raw_wrap_cold_ms"] for r in per_rank),
+        "step_ms_median": stats["median"],
+        "step_ms_p10": stats["p10"],
+        "step_ms_p90": stats["p90"],
+        "step_ms": steps,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": None if tokens_per_sample is None else samples_per_s * tokens_per_sample,
+        "peak_mem_bytes": max(r["peak_mem_bytes"] for r in per_rank),
+        "peak_mem_per_rank": [r["peak_mem_bytes"] for r in per_rank],
+        "mfu": mfu,
+    }
+    return row
+
+
+def write_results(
+    path: Path,
+    env: Mapping[str, Any],
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    skipped: Sequence[Mapping[str, Any]] = (),
+) -> None:
+    """Write ``{"schema", "env", "results", "skipped"}`` as indented JSON."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "schema": SCHEMA,
+        "env": dict(env),
+        "results": [dict(r) for r in rows],
+        "skipped": [dict(s) for s in skipped],
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """Load and check a results file.
+
+    Raises:
+        ValueError: If the file is not a strategy-bench results file of a known schema.
+    """
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot read results file {str(path)!r}: {error}") from None
+    if not isinstance(payload, dict) or payload.get("schema") != SCHEMA:
+        raise ValueError(
+            f"{str(path)!r} is not a strategy-bench results file of schema {SCHEMA} "
+            f"(schema: {payload.get('schema') if isinstance(payload, dict) else None!r})"
+        )
+    for row in payload.get("results", []):
+        missing = [key for key in REQUIRED_ROW_KEYS if key not in row]
+        if missing:
+            raise ValueError(f"{str(path)!r}: a result row lacks {missing}")
+    return payload
+
+
+def _max_or_none(per_rank: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in per_rank if r.get(key) is not None]
+    return max(values) if values else None
+
+
+def _git_revision() -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=False,
+            cwd=Path(__file__).parent,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None

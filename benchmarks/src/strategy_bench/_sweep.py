@@ -1,0 +1,128 @@
+"""The strategy-knob sweep: which points, in which order, and the recommendation."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from distributed_strategy import DistributedConfig
+from strategy_bench._errors import BenchUsageError
+from strategy_bench._plan import Config
+
+DDP_BUCKETS_MB = (1, 25, 100)
+
+
+def sweep_points(bf16: bool) -> list[tuple[str, dict[str, Any]]]:
+    """The sweep's points, most informative first.
+
+    First each strategy at its defaults (the DDP-vs-FSDP answer), then the knobs that move
+    step time or memory the most (FSDP resharding and mixed precision, DDP's bucket views),
+    then DDP bucket sizes and static graph, then combinations. Each point changes the
+    defaults one knob at a time, so every difference has one cause.
+    """
+    points: list[tuple[str, dict[str, Any]]] = [
+        ("ddp", {}),
+        ("fsdp", {}),
+        ("fsdp", {"reshard_after_forward": False}),
+    ]
+    if bf16:
+        points.append(("fsdp", {"param_dtype": "bf16", "reduce_dtype": "fp32"}))
+    points += [
+        ("ddp", {"gradient_as_bucket_view": True}),
+        *[("ddp", {"bucket_cap_mb": mb}) for mb in DDP_BUCKETS_MB if mb != 25],
+        ("ddp", {"static_graph": True}),
+        ("ddp", {"gradient_as_bucket_view": True, "static_graph": True}),
+    ]
+    if bf16:
+        points.append(
+            (
+                "fsdp",
+                {"reshard_after_forward": False, "param_dtype": "bf16", "reduce_dtype": "fp32"},
+            )
+        )
+    return points
+
+
+def sweep_configs(workloads: int, bf16: bool) -> list[Config]:
+    """Every point for every workload: the most informative points first, for each workload."""
+    return [
+        Config(workload=index, strategy=strategy, knobs=knobs)
+        for strategy, knobs in sweep_points(bf16)
+        for index in range(workloads)
+    ]
+
+
+_UNITS = {
+    "": 2**20,
+    "b": 1,
+    "k": 2**10,
+    "kb": 2**10,
+    "kib": 2**10,
+    "m": 2**20,
+    "mb": 2**20,
+    "mib": 2**20,
+    "g": 2**30,
+    "gb": 2**30,
+    "gib": 2**30,
+}
+
+
+def parse_memory(text: str) -> int:
+    """``--memory-budget``: ``"4GiB"``, ``"512MiB"``, ``"1.5g"``; a bare number is MiB."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise BenchUsageError(
+            f"--memory-budget must be a size such as 4GiB, 512MiB or 2048 (MiB), got {text!r}"
+        )
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise BenchUsageError(f"--memory-budget must be positive, got {text!r}")
+    return int(value)
+
+
+def recommend(
+    rows: Sequence[Mapping[str, Any]], memory_budget: int | None
+) -> tuple[dict[str, Any], Mapping[str, Any], str] | None:
+    """The fastest point that fits the budget, as a ``training.distributed`` section.
+
+    Returns:
+        ``(section, row, reason)``, or ``None`` when no measured point fits. The section is
+        validated by ``DistributedConfig.from_mapping`` and holds every field.
+    """
+    fitting = [
+        row for row in rows if memory_budget is None or row["peak_mem_bytes"] <= memory_budget
+    ]
+    if not fitting:
+        return None
+    best = max(fitting, key=lambda row: row["samples_per_s"])
+    section = DistributedConfig.from_mapping({"strategy": best["strategy"], **best["knobs"]})
+    runner_up = sorted(fitting, key=lambda row: row["samples_per_s"], reverse=True)[1:2]
+    reason = (
+        f"fastest of {len(fitting)} point(s)"
+        + ("" if memory_budget is None else f" within {memory_budget / 2**20:.0f} MiB per rank")
+        + f": {best['samples_per_s']:.1f} samples/s at {best['peak_mem_bytes'] / 2**20:.0f} MiB"
+    )
+    if runner_up:
+        ratio = best["samples_per_s"] / runner_up[0]["samples_per_s"]
+        reason += f", {ratio:.2f}x the next best ({_describe(runner_up[0])})"
+    return section.to_dict(), best, reason
+
+
+def _describe(row: Mapping[str, Any]) -> str:
+    knobs = ", ".join(f"{k}={v}" for k, v in row["knobs"].items()) or "defaults"
+    return f"{row['strategy']} {knobs}"
+
+
+def yaml_section(section: Mapping[str, Any]) -> str:
+    """The section as YAML text under ``training.distributed``."""
+    lines = ["training:", "  distributed:"]
+    for key, value in section.items():
+        if value is None:
+            text = "null"
+        elif isinstance(value, bool):
+            text = "true" if value else "false"
+        else:
+            text = str(value)
+        lines.append(f"    {key}: {text}")
+    return "\n".join(lines)

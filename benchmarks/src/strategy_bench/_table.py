@@ -1,0 +1,51 @@
+"""The summary table printed at the end of a run."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def summary_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """A fixed-width text table, one line per configuration."""
+    header = (
+        "model",
+        "strategy",
+        "knobs",
+        "step ms (p10-p90)",
+        "samples/s",
+        "tokens/s",
+        "wrap ms ours/raw",
+        "init ms local/rank0",
+        "peak MiB",
+        "MFU",
+    )
+    lines = [header]
+    for row in rows:
+        knobs = ",".join(f"{k}={v}" for k, v in row.get("knobs", {}).items()) or "-"
+        tokens = row.get("tokens_per_s")
+        rank0 = row.get("init_rank0_ms")
+        mfu = row.get("mfu")
+        lines.append(
+            (
+                str(row["model"]),
+                str(row["strategy"]),
+                knobs,
+                f"{row['step_ms_median']:.1f} ({row['step_ms_p10']:.1f}-{row['step_ms_p90']:.1f})",
+                f"{row['samples_per_s']:.1f}",
+                "-" if tokens is None else f"{tokens:.0f}",
+                f"{row['wrap_ms']:.1f}/{row['raw_wrap_ms']:.1f} "
+                f"({row['wrap_ms'] / row['raw_wrap_ms']:.2f}x)"
+                if row["raw_wrap_ms"]
+                else "-",
+                f"{row['init_ms']:.0f}/" + ("-" if rank0 is None else f"{rank0:.0f}"),
+                f"{row['peak_mem_bytes'] / 2**20:.0f}",
+                "-" if mfu is None else f"{100 * mfu:.1f}%",
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    rendered = [
+        "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) for line in lines
+    ]
+    rendered.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(rendered)

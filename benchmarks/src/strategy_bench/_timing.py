@@ -1,0 +1,80 @@
+"""Timing helpers: percentiles, and per-step timers (CUDA events, or barrier-aligned clocks)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by linear interpolation."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(values_ms: Sequence[float]) -> dict[str, float]:
+    """Median, p10 and p90 of step times in milliseconds."""
+    return {
+        "median": statistics.median(values_ms),
+        "p10": percentile(values_ms, 10),
+        "p90": percentile(values_ms, 90),
+    }
+
+
+def time_steps(
+    step: Callable[[], None], *, steps: int, warmup: int, device: torch.device
+) -> list[float]:
+    """Run ``warmup`` untimed then ``steps`` timed calls of ``step``; milliseconds per step.
+
+    On CUDA each step is timed with CUDA events (no host sync inside the loop). Elsewhere
+    every rank meets at a barrier before each step and the step ends at a barrier too, so the
+    wall-clock time is the slowest rank's step.
+    """
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        events = [
+            (
+                torch.cuda.Event(enable_timing=True),  # type: ignore[no-untyped-call]
+                torch.cuda.Event(enable_timing=True),  # type: ignore[no-untyped-call]
+            )
+            for _ in range(steps)
+        ]
+        torch.cuda.synchronize(device)
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize(device)
+        return [float(start.elapsed_time(end)) for start, end in events]
+    times: list[float] = []
+    for _ in range(steps):
+        dist.barrier()
+        begin = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append((time.perf_counter() - begin) * 1e3)
+    return times
+
+
+def timed_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+    """Run ``fn`` once between barriers (and CUDA syncs); its wall time in ms and its result."""
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    begin = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elapsed = (time.perf_counter() - begin) * 1e3
+    dist.barrier()
+    return elapsed, result

@@ -1,0 +1,138 @@
+"""One rank of a benchmark run: set up the device and group, measure every point, report."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from strategy_bench._measure import measure, measure_peak_flops, warm_up_process
+from strategy_bench._plan import Plan
+from strategy_bench._results import environment, merge_ranks, write_results
+
+logger = logging.getLogger(__name__)
+
+_QUIET = ("ddp_wrap", "fsdp_wrap", "replica_init", "distributed_strategy", "torch")
+
+
+def configure_logging() -> None:
+    """Progress lines on stderr; the libraries' per-wrap lines are kept out of the way."""
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="[strategy-bench] %(message)s", force=True
+    )
+    for name in _QUIET:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def run_rank(plan: Plan, *, rank: int, world_size: int, local_rank: int, init_method: str) -> None:
+    """Initialise the process group, measure every point of ``plan``, write results on rank 0."""
+    device = _device(plan.device, local_rank)
+    if device.type == "cpu":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(
+        plan.backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=plan.pg_timeout_s),
+        **kwargs,
+    )
+    try:
+        _measure_all(plan, device, rank, world_size)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -> None:
+    warm_up_process(device)
+    peaks: list[float | None] = [None] * world_size
+    dist.all_gather_object(peaks, measure_peak_flops(device))
+    measured = [p for p in peaks if p is not None]
+    env = environment(device, plan.backend, world_size, min(measured) if measured else None)
+    env["kind"] = plan.kind
+    env["options"] = {
+        "steps": plan.options.steps,
+        "warmup": plan.options.warmup,
+        "batch_size": plan.options.batch_size,
+        "dtype": plan.options.dtype,
+        "seed": plan.options.seed,
+    }
+    workloads = [spec.build() for spec in plan.workloads]
+    out = Path(plan.out_dir) / "results.json"
+    rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    cost: dict[int, float] = {}
+    started = time.monotonic()
+    for index, config in enumerate(plan.configs):
+        label = (
+            f"[{index + 1}/{len(plan.configs)}] {config.strategy} {workloads[config.workload].name}"
+        )
+        if config.knobs:
+            label += " " + " ".join(f"{k}={v}" for k, v in config.knobs.items())
+        if not _within_budget(plan, cost.get(config.workload, 0.0), started):
+            skipped.append(config.describe(plan.workloads))
+            if rank == 0:
+                logger.info("%s: skipped (time budget %.0f s)", label, plan.time_budget_s)
+            continue
+        begin = time.monotonic()
+        workload = workloads[config.workload]
+        mine = measure(workload, config.strategy, config.knobs, plan.options, device)
+        per_rank: list[dict[str, Any]] = [{} for _ in range(world_size)]
+        dist.all_gather_object(per_rank, mine)
+        cost[config.workload] = time.monotonic() - begin
+        if rank != 0:
+            continue
+        row = merge_ranks(
+            per_rank,
+            strategy=config.strategy,
+            model=workload.name,
+            knobs=config.knobs,
+            env=env,
+            batch_size=plan.options.batch_size,
+            dtype=plan.options.dtype,
+            tokens_per_sample=workload.tokens_per_sample,
+            flops_per_sample=workload.flops_per_sample,
+        )
+        rows.append(row)
+        write_results(out, env, rows, skipped=skipped)
+        logger.info(
+            "%s: step %.1f ms (p10 %.1f, p90 %.1f), %.1f samples/s, wrap %.1f ms vs raw %.1f ms, "
+            "peak %.0f MiB, %.1f s",
+            label,
+            row["step_ms_median"],
+            row["step_ms_p10"],
+            row["step_ms_p90"],
+            row["samples_per_s"],
+            row["wrap_ms"],
+            row["raw_wrap_ms"],
+            row["peak_mem_bytes"] / 2**20,
+            cost[config.workload],
+        )
+    if rank == 0:
+        write_results(out, env, rows, skipped=skipped)
+
+
+def _within_budget(plan: Plan, estimate: float, started: float) -> bool:
+    """Rank 0 decides whether the next point fits the budget; every rank follows."""
+    if plan.time_budget_s is None:
+        return True
+    decision = [time.monotonic() - started + estimate <= plan.time_budget_s]
+    dist.broadcast_object_list(decision, src=0)
+    return bool(decision[0])
+
+
+def _device(kind: str, local_rank: int) -> torch.device:
+    if kind == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")

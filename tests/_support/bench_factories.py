@@ -1,0 +1,50 @@
+"""User factories for strategy-bench's tests: good ones, and each kind of bad one."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+NOT_CALLABLE = 3
+
+
+class UserNet(nn.Module):
+    """A small user model with a ModuleList (FSDP's default units) and a frozen stem."""
+
+    def __init__(self, width: int = 16, depth: int = 2) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        x = self.stem(x)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x * scale
+
+
+def make_model(width: int = 16, depth: int = 2) -> UserNet:
+    return UserNet(width, depth)
+
+
+def make_batch(batch_size: int, device: torch.device, generator: torch.Generator) -> tuple:
+    return (torch.randn(batch_size, 16, generator=generator).to(device), 0.5)
+
+
+def freeze_stem(model: nn.Module) -> None:
+    model.stem.requires_grad_(False)
+
+
+def fail_on_rank1(width: int = 16) -> UserNet:
+    if dist.is_initialized() and dist.get_rank() == 1:
+        raise RuntimeError("model construction failed on rank 1 (on purpose)")
+    return UserNet(width)
+
+
+def not_a_module(**_: object) -> str:
+    return "not a module"
+
+
+def bad_batch(batch_size: int, device: torch.device, generator: torch.Generator) -> int:
+    return 42

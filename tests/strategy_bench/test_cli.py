@@ -1,0 +1,329 @@
+"""strategy-bench end to end on CPU: real spawned gloo ranks, real JSON and PNGs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from distributed_strategy import DistributedConfig
+from strategy_bench import SCHEMA, read_results, sweep_points
+
+SUPPORT = Path(__file__).resolve().parents[1] / "_support"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+QUICK = [
+    "--device",
+    "cpu",
+    "--world-size",
+    "2",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--batch-size",
+    "2",
+]
+
+
+def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "strategy_bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
+def assert_png(path: Path) -> None:
+    import matplotlib.image
+
+    assert path.read_bytes()[:8] == PNG_MAGIC, path
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] > 200 and image.shape[1] > 200, (path, image.shape)
+    assert image.std() > 0.01, f"{path} is blank"
+
+
+@pytest.mark.multiprocess
+def test_run_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    done = bench("run", *QUICK, "--models", "tiny", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    payload = json.loads((out / "results.json").read_text())
+    assert payload["schema"] == SCHEMA
+    env = payload["env"]
+    assert env["backend"] == "gloo" and env["device"] == "cpu" and env["world_size"] == 2
+    assert env["torch"] and "git" in env
+    rows = payload["results"]
+    assert [(r["strategy"], r["model"]) for r in rows] == [("ddp", "tiny"), ("fsdp", "tiny")]
+    for row in rows:
+        assert row["world_size"] == 2 and row["backend"] == "gloo"
+        for key in (
+            "init_ms",
+            "init_rank0_ms",
+            "wrap_ms",
+            "raw_wrap_ms",
+            "wrap_cold_ms",
+            "raw_wrap_cold_ms",
+            "step_ms_median",
+            "samples_per_s",
+            "tokens_per_s",
+        ):
+            assert row[key] > 0, key
+        assert row["step_ms_p10"] <= row["step_ms_median"] <= row["step_ms_p90"]
+        assert row["tokens_per_s"] == pytest.approx(row["samples_per_s"] * 64)
+        assert len(row["step_ms"]) == 2
+        assert len(row["peak_mem_per_rank"]) == 2 and row["peak_mem_bytes"] > 0
+        assert row["mfu"] is None  # CPU
+    read_results(out / "results.json")  # the schema check accepts it
+    for name in ("throughput", "wrap_overhead", "memory", "step_spread", "init_time"):
+        assert_png(out / f"{name}.png")
+    assert "[1/2] ddp tiny" in done.stderr and "[2/2] fsdp tiny" in done.stderr
+    assert "FSDP/DDP throughput" in done.stdout and "step ms (p10-p90)" in done.stdout
+
+    compare = tmp_path / "compare"
+    replot = bench(
+        "plot", str(out / "results.json"), str(out / "results.json"), "--out", str(compare)
+    )
+    assert replot.returncode == 0, replot.stderr
+    assert_png(compare / "throughput.png")
+
+
+@pytest.mark.multiprocess
+def test_user_model_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "user"
+    done = bench(
+        "run",
+        *QUICK,
+        "--strategies",
+        "ddp",
+        "fsdp",
+        "--model-factory",
+        "bench_factories:make_model",
+        "--init-params",
+        '{"width": 16, "depth": 3}',
+        "--input-factory",
+        "bench_factories:make_batch",
+        "--trainable",
+        "bench_factories:freeze_stem",
+        "--out",
+        str(out),
+    )
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((out / "results.json").read_text())["results"]
+    assert {r["model"] for r in rows} == {"make_model"}
+    for row in rows:
+        assert row["params"] == 4 * (16 * 16 + 16)
+        assert row["trainable_params"] == 3 * (16 * 16 + 16)  # the stem is frozen
+        assert row["tokens_per_s"] is None and row["samples_per_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "--strategies", "zero"], "argument --strategies: invalid choice: 'zero'"),
+        (["run", "--models", "huge"], "argument --models: invalid choice: 'huge'"),
+        (["run", "--device", "cpu", "--steps", "0"], "--steps must be >= 1, got 0"),
+        (["run", "--device", "cpu", "--world-size", "0"], "--world-size must be >= 1, got 0"),
+        (
+            [
+                "run",
+                "--device",
+                "cpu",
+                "--model-factory",
+                "nowhere.at_all:f",
+                "--input-factory",
+                "bench_factories:make_batch",
+            ],
+            "cannot import module 'nowhere.at_all'",
+        ),
+        (
+            [
+                "run",
+                "--device",
+                "cpu",
+                "--model-factory",
+                "bench_factories:NOT_CALLABLE",
+                "--input-factory",
+                "bench_factories:make_batch",
+            ],
+            "is a int, not a callable",
+        ),
+        (
+            [
+                "run",
+                "--device",
+                "cpu",
+                "--model-factory",
+                "bench_factories:missing",
+                "--input-factory",
+                "bench_factories:make_batch",
+            ],
+            "has no attribute 'missing'",
+        ),
+        (
+            [
+                "run",
+                "--device",
+                "cpu",
+                "--model-factory",
+                "bench_factories",
+                "--input-factory",
+                "bench_factories:make_batch",
+            ],
+            "must look like 'package.module:callable'",
+        ),
+        (
+            [
+                "run",
+                "--device",
+                "cpu",
+                "--model-factory",
+                "bench_factories:not_a_module",
+                "--input-factory",
+                "bench_factories:make_batch",
+            ],
+            "returned str, not an nn.Module",
+        ),
+        (
+            [
+                "run",
+                "--device",
+                "cpu",
+                "--model-factory",
+                "bench_factories:make_model",
+                "--input-factory",
+                "bench_factories:bad_batch",
+            ],
+            "the input factory returned int",
+        ),
+        (
+            ["run", "--device", "cpu", "--model-factory", "bench_factories:make_model"],
+            "add --input-factory",
+        ),
+        (
+            [
+                "run",
+                "--device",
+                "cpu",
+                "--model-factory",
+                "bench_factories:make_model",
+                "--input-factory",
+                "bench_factories:make_batch",
+                "--init-params",
+                "[1]",
+            ],
+            "--init-params must be a JSON object",
+        ),
+        (["sweep", "--device", "cpu", "--memory-budget", "lots"], "--memory-budget must be a size"),
+        (["plot", "/nonexistent/results.json"], "cannot read results file"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In-process: the checks run before any rank is spawned."""
+    assert exit_code(args) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("strategy-bench: error: ") and message in lines[0], lines[0]
+    assert captured.out == ""
+
+
+def test_cuda_requests_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        code = exit_code(
+            ["run", "--device", "cuda", "--world-size", str(torch.cuda.device_count() + 1)]
+        )
+        message = "GPU(s) are visible"
+    else:
+        code = exit_code(["run", "--device", "cuda"])
+        message = "--device cuda but no CUDA device is visible"
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def exit_code(args: list[str]) -> int:
+    from strategy_bench import main
+
+    try:
+        return main(args)
+    except SystemExit as exit:
+        return int(exit.code or 0)
+
+
+@pytest.mark.multiprocess
+def test_a_failing_rank_ends_the_run_promptly(tmp_path: Path) -> None:
+    begin = time.monotonic()
+    done = bench(
+        "run",
+        *QUICK,
+        "--model-factory",
+        "bench_factories:fail_on_rank1",
+        "--input-factory",
+        "bench_factories:make_batch",
+        "--out",
+        str(tmp_path),
+    )
+    elapsed = time.monotonic() - begin
+    assert done.returncode == 1
+    assert "rank 1 failed" in done.stderr
+    assert "model construction failed on rank 1 (on purpose)" in done.stderr
+    assert "Traceback" in done.stderr
+    # Rank 0 waits in a collective that would only time out after 300 s; the watchdog ends it.
+    assert elapsed < 150, elapsed
+
+
+@pytest.mark.multiprocess
+def test_sweep_rows_budget_and_recommendation(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    done = bench("sweep", *QUICK, "--models", "tiny", "--time-budget", "600", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    payload = json.loads((out / "results.json").read_text())
+    points = sweep_points(bf16=True)
+    assert [(r["strategy"], r["knobs"]) for r in payload["results"]] == points
+    assert payload["skipped"] == []
+    section = json.loads((out / "recommended.json").read_text())
+    config = DistributedConfig.from_mapping(section)
+    best = max(payload["results"], key=lambda r: r["samples_per_s"])
+    assert config.strategy == best["strategy"]
+    for key, value in best["knobs"].items():
+        assert section[key] == value
+    assert "training:\n  distributed:\n    strategy: " in done.stdout
+    assert_png(out / "sweep.png")
+
+    tight = tmp_path / "tight"
+    done = bench(
+        "sweep",
+        *QUICK,
+        "--models",
+        "tiny",
+        "--time-budget",
+        "0.2",
+        "--memory-budget",
+        "1MiB",
+        "--out",
+        str(tight),
+    )
+    assert done.returncode == 0, done.stderr
+    payload = json.loads((tight / "results.json").read_text())
+    assert len(payload["results"]) == 1  # the first point always runs; nothing else fits
+    assert len(payload["skipped"]) == len(points) - 1
+    assert payload["skipped"][0] == {"model": "tiny", "strategy": "fsdp", "knobs": {}}
+    assert "no measured point fits --memory-budget 1 MiB" in done.stdout
+    assert not (tight / "recommended.json").exists()
