@@ -19,6 +19,7 @@ from strategy_bench._presets import CPU_DEFAULT_MODELS, GPU_DEFAULT_MODELS, PRES
 from strategy_bench._results import read_results
 from strategy_bench._sweep import parse_memory, recommend, sweep_configs, yaml_section
 from strategy_bench._table import summary_table
+from strategy_bench._worker import configure_logging
 from strategy_bench._workload import check_workload, load_callable, parse_init_params
 from strategy_bench._wrappers import STRATEGIES
 
@@ -125,6 +126,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
     args = _parser().parse_args(argv)
+    configure_logging()
     try:
         if args.command == "plot":
             return _plot(args.results, args.out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -12,8 +13,10 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from strategy_bench._plan import Plan
+from strategy_bench._results import read_results, write_results
 from strategy_bench._worker import configure_logging, run_rank
 
 logger = logging.getLogger(__name__)
@@ -30,9 +33,11 @@ def launch(plan: Plan, *, timeout_s: float | None = None, addr: str = "127.0.0.1
     """Run ``plan`` on every rank; return the exit code (0, or 1 when a rank failed).
 
     Under ``torchrun`` this process is one rank (rendezvous from the environment, any number
-    of nodes). Otherwise ``plan.world_size`` ranks are spawned on this machine with a
-    rendezvous on ``addr``; a watchdog ends the run within a second of any rank failing,
-    printing that rank's traceback, and ends it after ``timeout_s`` at most.
+    of nodes) and measures every point in turn. Otherwise every point gets a fresh set of
+    ``plan.world_size`` ranks spawned on this machine (rendezvous on ``addr``), so that no
+    point inherits another's memory (process RSS never shrinks) or warm caches, and a
+    watchdog ends the run within a second of any rank failing, printing that rank's
+    traceback. The whole run ends after ``timeout_s`` at most.
     """
     if under_torchrun():
         configure_logging()
@@ -44,6 +49,59 @@ def launch(plan: Plan, *, timeout_s: float | None = None, addr: str = "127.0.0.1
             init_method="env://",
         )
         return 0
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    with tempfile.TemporaryDirectory(prefix="strategy-bench-points-") as scratch:
+        return _each_point(plan, Path(scratch), deadline, addr)
+
+
+def _each_point(plan: Plan, scratch: Path, deadline: float | None, addr: str) -> int:
+    """Spawn the ranks once per point; merge the points' rows into ``results.json``."""
+    out = Path(plan.out_dir) / "results.json"
+    rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    env: dict[str, Any] = {}
+    cost: dict[int, float] = {}
+    started = time.monotonic()
+    for index, config in enumerate(plan.configs):
+        elapsed = time.monotonic() - started
+        if plan.time_budget_s is not None and elapsed + cost.get(config.workload, 0.0) > (
+            plan.time_budget_s
+        ):
+            skipped.append(config.describe(plan.workloads))
+            logger.info(
+                "[%d/%d] %s: skipped (time budget %.0f s)",
+                index + 1,
+                len(plan.configs),
+                config.describe(plan.workloads),
+                plan.time_budget_s,
+            )
+            continue
+        point = dataclasses.replace(
+            plan,
+            configs=[config],
+            out_dir=str(scratch / f"point{index}"),
+            time_budget_s=None,
+            first_index=index,
+            total=len(plan.configs),
+        )
+        begin = time.monotonic()
+        remaining = None if deadline is None else max(1.0, deadline - begin)
+        code = _spawn(point, remaining, addr)
+        cost[config.workload] = time.monotonic() - begin
+        if code != 0:
+            if rows:
+                write_results(out, env, rows, skipped=skipped)
+            return code
+        payload = read_results(scratch / f"point{index}" / "results.json")
+        env = payload["env"]
+        rows.extend(payload["results"])
+        write_results(out, env, rows, skipped=skipped)
+    write_results(out, env, rows, skipped=skipped)
+    return 0
+
+
+def _spawn(plan: Plan, timeout_s: float | None, addr: str) -> int:
+    """One set of ranks for ``plan``; the watchdog's exit code."""
     context = mp.get_context("spawn")
     init_method = f"tcp://{addr}:{_free_port(addr)}"
     with tempfile.TemporaryDirectory(prefix="strategy-bench-") as errors:
@@ -79,7 +137,7 @@ def _watch(procs: Sequence[mp.process.BaseProcess], errors: Path, timeout_s: flo
                 return 0
             if deadline is not None and time.monotonic() > deadline:
                 _stop(procs)
-                sys.stderr.write(f"strategy-bench: timed out after {timeout_s:.0f} s\n")
+                sys.stderr.write("strategy-bench: timed out (--timeout)\n")
                 return 1
             time.sleep(0.1)
     except KeyboardInterrupt:

@@ -59,6 +59,8 @@ class Plan:
         time_budget_s: Skip the remaining points once this would be exceeded (``None``: never).
         pg_timeout_s: Collective timeout: a lost rank fails the others after this at worst.
         kind: ``"run"`` or ``"sweep"`` (recorded in the results).
+        first_index: Position of ``configs[0]`` in the whole run (for progress lines).
+        total: Points in the whole run (``None``: ``len(configs)``).
     """
 
     device: str
@@ -70,6 +72,8 @@ class Plan:
     time_budget_s: float | None = None
     pg_timeout_s: float = 300.0
     kind: str = "run"
+    first_index: int = 0
+    total: int | None = None
 
     @property
     def backend(self) -> str:

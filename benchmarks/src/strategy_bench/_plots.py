@@ -42,8 +42,13 @@ def _rows(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> list[tuple[str, dict
     return [(label, row) for label, payload in runs for row in payload["results"]]
 
 
-def _series_label(label: str, strategy: str, multi: bool) -> str:
-    return f"{strategy.upper()} - {label}" if multi else strategy.upper()
+def _series_label(label: str, row: Mapping[str, Any], multi: bool) -> str:
+    """Strategy, its non-default knobs (sweeps), and the run when several are compared."""
+    name = row["strategy"].upper()
+    knobs = row.get("knobs") or {}
+    if knobs:
+        name += " " + ",".join(f"{k}={v}" for k, v in knobs.items())
+    return f"{name} - {label}" if multi else name
 
 
 def _grouped(
@@ -55,7 +60,7 @@ def _grouped(
     multi = len(runs) > 1
     series: dict[str, list[float | None]] = {}
     for label, row in rows:
-        name = _series_label(label, row["strategy"], multi)
+        name = _series_label(label, row, multi)
         values = series.setdefault(name, [None] * len(models))
         values[models.index(row["model"])] = value(row)
     return models, series
@@ -135,9 +140,7 @@ def _fsdp_over_ddp(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, f
 def _wrap_overhead(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
     rows = _rows(runs)
     multi = len(runs) > 1
-    groups = [
-        f"{row['model']}\n{_series_label(label, row['strategy'], multi)}" for label, row in rows
-    ]
+    groups = [f"{row['model']}\n{_series_label(label, row, multi)}" for label, row in rows]
     series = {
         "ours, warm": [row["wrap_ms"] for _, row in rows],
         "raw torch, warm": [row["raw_wrap_ms"] for _, row in rows],
@@ -162,9 +165,7 @@ def _wrap_overhead(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) ->
 def _memory(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
     rows = _rows(runs)
     multi = len(runs) > 1
-    groups = [
-        f"{row['model']}\n{_series_label(label, row['strategy'], multi)}" for label, row in rows
-    ]
+    groups = [f"{row['model']}\n{_series_label(label, row, multi)}" for label, row in rows]
     world = max(len(row["peak_mem_per_rank"]) for _, row in rows)
     series = {
         f"rank {rank}": [

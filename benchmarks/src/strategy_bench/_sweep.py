@@ -106,6 +106,18 @@ def recommend(
     if runner_up:
         ratio = best["samples_per_s"] / runner_up[0]["samples_per_s"]
         reason += f", {ratio:.2f}x the next best ({_describe(runner_up[0])})"
+    if best["knobs"].get("param_dtype") not in (None, "fp32"):
+        full = [row for row in fitting if row["knobs"].get("param_dtype") in (None, "fp32")]
+        reason += (
+            f". It computes in {best['knobs']['param_dtype']} (mixed precision changes the "
+            "numerics)"
+        )
+        if full:
+            fastest = max(full, key=lambda row: row["samples_per_s"])
+            reason += (
+                f"; the fastest full-precision point is {_describe(fastest)} at "
+                f"{fastest['samples_per_s']:.1f} samples/s"
+            )
     return section.to_dict(), best, reason
 
 

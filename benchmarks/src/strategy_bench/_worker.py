@@ -73,8 +73,10 @@ def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -
     cost: dict[int, float] = {}
     started = time.monotonic()
     for index, config in enumerate(plan.configs):
+        position = plan.first_index + index + 1
         label = (
-            f"[{index + 1}/{len(plan.configs)}] {config.strategy} {workloads[config.workload].name}"
+            f"[{position}/{plan.total or len(plan.configs)}] {config.strategy} "
+            f"{workloads[config.workload].name}"
         )
         if config.knobs:
             label += " " + " ".join(f"{k}={v}" for k, v in config.knobs.items())
