@@ -32,7 +32,7 @@ def test_build(paired: Any) -> None:
                 BenchTransformer, PARAMS, device="cpu", default_dtype=torch.float32, seed=3
             )
 
-    paired(build, rounds=15)
+    paired(build, rounds=30)
 
 
 def test_fingerprint(paired: Any) -> None:

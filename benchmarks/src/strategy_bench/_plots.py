@@ -11,7 +11,20 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # the backend is chosen first
 
-_COLOURS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860")
+_COLOURS = (
+    "#4C72B0",
+    "#DD8452",
+    "#55A868",
+    "#C44E52",
+    "#8172B3",
+    "#937860",
+    "#DA8BC3",
+    "#8C8C8C",
+    "#CCB974",
+    "#64B5CD",
+    "#1B3A6B",
+    "#7A3B0F",
+)
 
 
 def run_label(payload: Mapping[str, Any]) -> str:
@@ -105,8 +118,17 @@ def _bars(
                         fontsize=7,
                     )
     ax.set_xticks(range(len(groups)), groups)
-    ax.legend(fontsize=8)
+    if len(series) > 4:  # many series (a sweep): keep the legend off the bars
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
+
+
+def _width(groups: int, series: int) -> float:
+    """Figure width: room for every bar, plus the legend beside them for many series."""
+    bars = max(6.0, 2.2 * groups, 0.6 * groups * series)
+    return bars + (4.5 if series > 4 else 0.0)
 
 
 def _save(fig: Any, path: Path) -> Path:
@@ -118,7 +140,7 @@ def _save(fig: Any, path: Path) -> Path:
 
 def _throughput(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
     models, series = _grouped(runs, lambda row: row["samples_per_s"])
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(models)), 4.5))
+    fig, ax = plt.subplots(figsize=(_width(len(models), len(series)), 4.5))
     _bars(ax, models, series, annotate=lambda v: f"{v:.0f}")
     ax.set_ylabel("samples / s (all ranks, higher is better)")
     ratios = _fsdp_over_ddp(runs)
@@ -129,7 +151,11 @@ def _throughput(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Pa
 
 def _fsdp_over_ddp(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, float]:
     payload = runs[0][1]
-    by = {(r["model"], r["strategy"]): r["samples_per_s"] for r in payload["results"]}
+    by = {
+        (r["model"], r["strategy"]): r["samples_per_s"]
+        for r in payload["results"]
+        if not r.get("knobs")  # each strategy at its defaults
+    }
     return {
         model: by[(model, "fsdp")] / by[(model, "ddp")]
         for model, strategy in by
@@ -195,7 +221,7 @@ def _step_spread(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> P
         ]
         for name in series
     }
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(models)), 4.5))
+    fig, ax = plt.subplots(figsize=(_width(len(models), len(series)), 4.5))
     _bars(ax, models, series, annotate=lambda v: f"{v:.1f}", errors=errors)
     ax.set_ylabel("step time, ms: median, whiskers p10-p90")
     ax.set_title("Training step time and its spread", fontsize=10)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from replica_init import _compat
 from rng_fork import DeviceLike, fork_model_rng, fork_rng, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def build_replicated_model_from_scratch(
     params = check_build_arguments(model_cls, init_params, default_dtype)
     target = resolve_device(device)
     assert target is not None  # resolve_device returns None only for None
-    with fork_model_rng(target, seed), _default_dtype(default_dtype), torch.device("cpu"):
+    with fork_model_rng(target, seed), _default_dtype(default_dtype), _compat.cpu_construction():
         model = model_cls(**params)
     check_is_module(model_cls, model)
     return model.to(device=target)
