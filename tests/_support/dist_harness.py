@@ -99,3 +99,26 @@ def single_rank_group() -> None:
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def fresh_interpreter(code: str, *, timeout: float = 120) -> str:
+    """Run ``code`` (dedented) in a new Python process, where no process group exists yet.
+
+    Returns:
+        Its standard output.
+
+    Raises:
+        subprocess.CalledProcessError: If it exits non-zero.
+    """
+    import subprocess
+    import sys
+    import textwrap
+
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=timeout,
+    )
+    return done.stdout

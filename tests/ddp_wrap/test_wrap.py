@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
-import textwrap
 import warnings
 
 import pytest
@@ -19,7 +16,7 @@ from ddp_wrap import (
     unwrap_model,
     wrap_module_ddp,
 )
-from dist_harness import run_ranks
+from dist_harness import fresh_interpreter, run_ranks
 from toy_models import RunnerNet
 
 
@@ -137,7 +134,7 @@ class TestUnwrap:
 
 def test_uninitialised_process_group_is_refused() -> None:
     """In a fresh interpreter, where no process group exists."""
-    code = textwrap.dedent(
+    out = fresh_interpreter(
         """
         import torch
         from ddp_wrap import wrap_module_ddp
@@ -147,9 +144,6 @@ def test_uninitialised_process_group_is_refused() -> None:
             print(error)
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    ).stdout
     assert "wrap_module_ddp requires an initialised torch.distributed process group" in out
     assert "init_process_group()" in out
 

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -13,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from dist_harness import run_ranks
+from dist_harness import fresh_interpreter, run_ranks
 from fsdp_wrap import (
     mixed_precision_policy,
     select_shard_targets,
@@ -150,7 +147,7 @@ class TestWrap:
 
 
 def test_uninitialised_process_group_is_refused() -> None:
-    code = textwrap.dedent(
+    out = fresh_interpreter(
         """
         import torch
         from fsdp_wrap import wrap_module_fsdp
@@ -160,9 +157,6 @@ def test_uninitialised_process_group_is_refused() -> None:
             print(error)
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    ).stdout
     assert "wrap_module_fsdp requires an initialised torch.distributed process group" in out
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from dist_harness import run_ranks
+from dist_harness import fresh_interpreter, run_ranks
 from distributed_strategy import prepare_model
 from toy_models import Regressor
 
@@ -77,7 +76,7 @@ def test_bad_config_reaches_the_user_as_strategy_config_says(
 
 
 def test_uninitialised_process_group() -> None:
-    code = textwrap.dedent(
+    out = fresh_interpreter(
         """
         import torch
         from distributed_strategy import prepare_model
@@ -88,9 +87,6 @@ def test_uninitialised_process_group() -> None:
             print(error)
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    ).stdout
     assert out.startswith(
         "prepare_model requires an initialised torch.distributed process group; call "
         "torch.distributed.init_process_group()"
