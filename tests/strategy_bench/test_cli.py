@@ -101,6 +101,50 @@ def test_run_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
+def test_under_torchrun(tmp_path: Path) -> None:
+    """torchrun starts the ranks; strategy-bench takes the rendezvous from the environment."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "strategy_bench",
+            "run",
+            "--device",
+            "cpu",
+            "--models",
+            "tiny",
+            "--strategies",
+            "ddp",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--batch-size",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert payload["env"]["world_size"] == 2
+    assert [(r["strategy"], r["world_size"]) for r in payload["results"]] == [("ddp", 2)]
+    assert done.stdout.count("results: ") == 1  # rank 0 alone reports
+    assert_png(tmp_path / "throughput.png")
+
+
+@pytest.mark.multiprocess
 def test_user_model_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "user"
     done = bench(
