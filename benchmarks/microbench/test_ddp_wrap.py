@@ -92,4 +92,4 @@ def test_wrap(paired: Any) -> None:
         gc.collect()  # earlier rounds' wrapped copies must not be collected inside a timing
         return (copy.deepcopy(model),), {}
 
-    paired(wrap, rounds=60, setup=setup)
+    paired(wrap, rounds=120, setup=setup)
