@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -141,15 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{plan.backend} rank(s); results in {plan.out_dir}\n"
         )
     code = launch(plan, timeout_s=args.timeout)
-    if code != 0 or (torchrun and torch.distributed.is_available() and _rank() != 0):
-        return code
+    if code != 0 or (torchrun and int(os.environ["RANK"]) != 0):
+        return code  # under torchrun, rank 0 alone reports
     return _report(plan, extra)
-
-
-def _rank() -> int:
-    import os
-
-    return int(os.environ.get("RANK", "0"))
 
 
 def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
@@ -205,8 +200,6 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
 
 
 def _resolve_device(requested: str) -> str:
-    if under_torchrun() and requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
@@ -219,8 +212,6 @@ def _resolve_device(requested: str) -> str:
 
 def _world_size(requested: int | None, device: str) -> int:
     if under_torchrun():
-        import os
-
         return int(os.environ["WORLD_SIZE"])
     if requested is not None and requested < 1:
         raise BenchUsageError(f"--world-size must be >= 1, got {requested}")
