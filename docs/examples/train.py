@@ -109,6 +109,9 @@ def main() -> None:
         if rank == 0:
             total = sum(float(t.double().sum()) for t in full.values())
             print(f"{args.strategy}: final weight sum {total:.6f}")
+        # Every rank is done before any rank tears the group down: a gloo peer that is torn
+        # down while the other still holds the connection can abort the process.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

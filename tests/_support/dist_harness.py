@@ -86,6 +86,7 @@ def _entry(
             timeout=datetime.timedelta(seconds=60),
         )
         results.put((rank, "ok", fn(rank, world_size, *args)))
+        dist.barrier()  # no rank tears the group down while another still uses it
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:

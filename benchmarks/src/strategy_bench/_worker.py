@@ -48,6 +48,7 @@ def run_rank(plan: Plan, *, rank: int, world_size: int, local_rank: int, init_me
     )
     try:
         _measure_all(plan, device, rank, world_size)
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 
