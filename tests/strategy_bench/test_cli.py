@@ -30,14 +30,17 @@ QUICK = [
 ]
 
 
-def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def bench(
+    *args: str, timeout: float = 300, launcher: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``python [launcher...] -m strategy_bench ARGS`` with the test factories importable."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
     }
     return subprocess.run(
-        [sys.executable, "-m", "strategy_bench", *args],
+        [sys.executable, *launcher, "-m", "strategy_bench", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -103,38 +106,24 @@ def test_run_smoke(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 def test_under_torchrun(tmp_path: Path) -> None:
     """torchrun starts the ranks; strategy-bench takes the rendezvous from the environment."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "strategy_bench",
-            "run",
-            "--device",
-            "cpu",
-            "--models",
-            "tiny",
-            "--strategies",
-            "ddp",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--batch-size",
-            "2",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
+    torchrun = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    done = bench(
+        "run",
+        "--device",
+        "cpu",
+        "--models",
+        "tiny",
+        "--strategies",
+        "ddp",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--batch-size",
+        "2",
+        "--out",
+        str(tmp_path),
+        launcher=torchrun,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     payload = json.loads((tmp_path / "results.json").read_text())
@@ -271,6 +260,29 @@ def test_user_model_end_to_end(tmp_path: Path) -> None:
             "--init-params must be a JSON object",
         ),
         (["sweep", "--device", "cpu", "--memory-budget", "lots"], "--memory-budget must be a size"),
+        (
+            ["sweep", "--device", "cpu", "--memory-budget", "0MiB"],
+            "--memory-budget must be positive",
+        ),
+        (["sweep", "--device", "cpu", "--time-budget", "0"], "--time-budget must be positive"),
+        (["run", "--device", "cpu", "--warmup", "-1"], "--warmup must be >= 0, got -1"),
+        (["run", "--device", "cpu", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["run", "--device", "cpu", "--seq-len", "1"], "--seq-len must be >= 2, got 1"),
+        (["run", "--device", "cpu", "--init-params", "{}"], "--init-params and --trainable need"),
+        (
+            [
+                "run",
+                "--device",
+                "cpu",
+                "--model-factory",
+                "bench_factories:make_model",
+                "--input-factory",
+                "bench_factories:make_batch",
+                "--init-params",
+                "{oops",
+            ],
+            "--init-params must be a JSON object",
+        ),
         (["plot", "/nonexistent/results.json"], "cannot read results file"),
     ],
 )

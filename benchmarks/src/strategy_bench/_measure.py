@@ -36,7 +36,6 @@ class RunOptions:
         dtype: ``"fp32"``, or ``"bf16"`` for bf16 autocast (fp32 master weights).
         seed: Construction seed; each rank's data stream is derived from it.
         wrap_repeats: Warm wraps timed per wrapper (the median is reported).
-        measure_init: Time the replica build with ``source="rank0"`` too.
     """
 
     steps: int = 20
@@ -45,7 +44,6 @@ class RunOptions:
     dtype: str = "fp32"
     seed: int = 0
     wrap_repeats: int = 5
-    measure_init: bool = True
 
 
 def measure(
@@ -88,13 +86,12 @@ def _measure(
         out["init_ms"], built = timed_ms(lambda: build_replicated_model(**build), device)
     out["init_host_peak_bytes"] = host.peak - host.start
     model: nn.Module = built  # type: ignore[assignment]
-    if options.measure_init:
-        with PeakMemory(torch.device("cpu")) as host:
-            out["init_rank0_ms"], other = timed_ms(
-                lambda: build_replicated_model(**build, source="rank0"), device
-            )
-        out["init_rank0_host_peak_bytes"] = host.peak - host.start
-        del other
+    with PeakMemory(torch.device("cpu")) as host:
+        out["init_rank0_ms"], other = timed_ms(
+            lambda: build_replicated_model(**build, source="rank0"), device
+        )
+    out["init_rank0_host_peak_bytes"] = host.peak - host.start
+    del other
     if workload.trainable is not None:
         result = workload.trainable(model)
         model = result if isinstance(result, nn.Module) else model

@@ -19,7 +19,6 @@ class Preset:
         depth: Number of blocks.
         heads: Attention heads.
         seq_len: Tokens per sample.
-        gpu_only: Too large to be a sensible CPU default.
     """
 
     vocab: int
@@ -27,7 +26,6 @@ class Preset:
     depth: int
     heads: int
     seq_len: int
-    gpu_only: bool = False
 
     def init_params(self) -> dict[str, int]:
         """Keyword arguments for :class:`BenchTransformer`."""
@@ -48,8 +46,8 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(vocab=512, width=64, depth=2, heads=4, seq_len=64),
     "small": Preset(vocab=4096, width=256, depth=4, heads=4, seq_len=128),
-    "medium": Preset(vocab=32000, width=1024, depth=16, heads=16, seq_len=1024, gpu_only=True),
-    "large": Preset(vocab=32000, width=2048, depth=24, heads=16, seq_len=2048, gpu_only=True),
+    "medium": Preset(vocab=32000, width=1024, depth=16, heads=16, seq_len=1024),
+    "large": Preset(vocab=32000, width=2048, depth=24, heads=16, seq_len=2048),
 }
 CPU_DEFAULT_MODELS = ("tiny", "small")
 GPU_DEFAULT_MODELS = ("small", "medium", "large")

@@ -30,7 +30,6 @@ class Workload:
         tokens_per_sample: Tokens in one sample, or ``None`` when unknown.
         flops_per_sample: Training FLOPs per sample, or ``None`` when unknown (no MFU).
         trainable: Optional trainable policy applied before the wrap.
-        parameters: Parameter count (filled in after the first build).
     """
 
     name: str
