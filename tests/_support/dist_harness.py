@@ -95,7 +95,7 @@ def _entry(
 
 
 def single_rank_group() -> None:
-    """Initialise a one-rank gloo group in this process (once; later calls reuse it)."""
+    """Initialize a one-rank gloo group in this process (once; later calls reuse it)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():

@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
+import pytest
 import torch
+
+
+def patch_device_module(monkeypatch: pytest.MonkeyPatch, lookup: Callable[[str], Any]) -> None:
+    """Make ``torch.get_device_module`` answer every lookup with ``lookup(device_type)``.
+
+    A test then sees each device-module lookup that the code under test makes.
+    """
+
+    def get_device_module(device: Any = None) -> Any:
+        kind = device if isinstance(device, str) else getattr(device, "type", None)
+        return lookup(str(kind))
+
+    monkeypatch.setattr(torch, "get_device_module", get_device_module)
 
 
 class FakeAccelerator:

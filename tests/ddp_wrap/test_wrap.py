@@ -101,7 +101,7 @@ class TestWrap:
         records = [r for r in caplog.records if r.name.startswith("ddp_wrap")]
         assert len(records) == 1
         message = records[0].getMessage()
-        assert "wrapped RunnerNet in DDP on cpu (rank 0 of 1)" in message
+        assert "wrapped RunnerNet in DDP on cpu x 1 rank(s)" in message
         assert "8 of 28 parameters trainable" in message
         assert "forward methods ['loss']" in message
 
@@ -132,7 +132,7 @@ class TestUnwrap:
         assert unwrap_model(model) is model
 
 
-def test_uninitialised_process_group_is_refused() -> None:
+def test_uninitialized_process_group_is_refused() -> None:
     """In a fresh interpreter, where no process group exists."""
     out = fresh_interpreter(
         """
@@ -144,7 +144,7 @@ def test_uninitialised_process_group_is_refused() -> None:
             print(error)
         """
     )
-    assert "wrap_module_ddp requires an initialised torch.distributed process group" in out
+    assert "wrap_module_ddp requires an initialized process group" in out
     assert "init_process_group()" in out
 
 

@@ -28,12 +28,10 @@ REFERENCE_ALL = {
     "wrap_module_ddp",
 }
 
-# Defined by two pieces with the same meaning; the composed import takes one of them.
-DEFINED_TWICE = {"BUILD_SOURCES", "DeviceLike"}
-
 
 def test_reexports_every_public_name() -> None:
     import ddp_wrap
+    import dist_core
     import fsdp_wrap
     import replica_init
     import rng_fork
@@ -41,11 +39,11 @@ def test_reexports_every_public_name() -> None:
 
     exported = set(distributed_strategy.__all__)
     assert REFERENCE_ALL <= exported
-    for piece in (ddp_wrap, fsdp_wrap, replica_init, rng_fork, strategy_config):
+    for piece in (dist_core, ddp_wrap, fsdp_wrap, replica_init, rng_fork, strategy_config):
         for name in piece.__all__:
             assert name in exported, f"{piece.__name__}.{name}"
-            if name not in DEFINED_TWICE:
-                assert getattr(distributed_strategy, name) is getattr(piece, name), name
+            # One owner per name: every piece that exports it exports the same object.
+            assert getattr(distributed_strategy, name) is getattr(piece, name), name
     for name in exported:
         assert hasattr(distributed_strategy, name), name
 
@@ -153,6 +151,37 @@ class TestPrepareModel:
                 seed=5,
                 trainable=lambda m: "frozen",
             )  # type: ignore[arg-type,return-value]
+
+    def test_policy_returning_a_submodule_is_refused(self) -> None:
+        # requires_grad_() returns the module it is called on: this one-liner returns `net`.
+        def policy(m: nn.Module) -> nn.Module:
+            return m.requires_grad_(False).net.requires_grad_(True)  # type: ignore[no-any-return]
+
+        with pytest.raises(TypeError, match="policy 'policy' returned Linear, a submodule of"):
+            prepare_model(
+                RunnerNet,
+                None,
+                config="ddp",
+                device="cpu",
+                default_dtype=torch.float32,
+                seed=5,
+                trainable=policy,
+            )
+
+    def test_policy_that_freezes_everything_is_named(self) -> None:
+        def freeze_all(m: nn.Module) -> None:
+            m.requires_grad_(False)
+
+        with pytest.raises(ValueError, match="policy 'freeze_all' left no trainable parameter"):
+            prepare_model(
+                RunnerNet,
+                None,
+                config="fsdp",
+                device="cpu",
+                default_dtype=torch.float32,
+                seed=5,
+                trainable=freeze_all,
+            )
 
     def test_bad_source(self) -> None:
         with pytest.raises(

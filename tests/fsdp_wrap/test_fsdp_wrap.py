@@ -103,8 +103,7 @@ class TestWrap:
         records = [r.getMessage() for r in caplog.records if r.name.startswith("fsdp_wrap")]
         assert len(records) == 1
         assert (
-            "sharded Regressor with FSDP2 on cpu (rank 0 of 1): 2 unit(s) plus the root"
-            in records[0]
+            "sharded Regressor with FSDP2 on cpu x 1 rank(s): 2 unit(s) plus the root" in records[0]
         )
         x = torch.randn(3, 8)
         assert torch.allclose(model(x), reference(x))
@@ -131,6 +130,9 @@ class TestWrap:
         with pytest.raises(AttributeError, match="RunnerNet has no attribute 'odewrapper'"):
             wrap_module_fsdp(model, device="cpu", forward_methods=["odewrapper"])
         with pytest.raises(ValueError, match="name a method other than forward"):
+            wrap_module_fsdp(model, device="cpu", forward_methods=["forward"])
+        # The same mistake raises the same type under either wrapper (dist-core's check).
+        with pytest.raises(TypeError, match="RunnerNet.latent_seq_len is a int, not a method"):
             wrap_module_fsdp(model, device="cpu", forward_methods=["latent_seq_len"])
         with pytest.raises(TypeError, match="reshard_after_forward must be a bool"):
             wrap_module_fsdp(model, device="cpu", reshard_after_forward="yes")  # type: ignore[arg-type]
@@ -146,7 +148,7 @@ class TestWrap:
             wrap_module_fsdp(Regressor(), device="cpu", mesh="cpu")  # type: ignore[arg-type]
 
 
-def test_uninitialised_process_group_is_refused() -> None:
+def test_uninitialized_process_group_is_refused() -> None:
     out = fresh_interpreter(
         """
         import torch
@@ -157,7 +159,7 @@ def test_uninitialised_process_group_is_refused() -> None:
             print(error)
         """
     )
-    assert "wrap_module_fsdp requires an initialised torch.distributed process group" in out
+    assert "wrap_module_fsdp requires an initialized process group" in out
 
 
 @pytest.mark.multiprocess

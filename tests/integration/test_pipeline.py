@@ -75,7 +75,7 @@ def test_bad_config_reaches_the_user_as_strategy_config_says(
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-def test_uninitialised_process_group() -> None:
+def test_uninitialized_process_group() -> None:
     out = fresh_interpreter(
         """
         import torch
@@ -88,7 +88,7 @@ def test_uninitialised_process_group() -> None:
         """
     )
     assert out.startswith(
-        "prepare_model requires an initialised torch.distributed process group; call "
+        "prepare_model requires an initialized process group; call "
         "torch.distributed.init_process_group()"
     )
 

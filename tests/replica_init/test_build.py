@@ -138,7 +138,7 @@ class _Counting(nn.Module):
         (
             {"device": 1.5},
             TypeError,
-            "device must be a torch.device, a string such as 'cuda:0', or an int index, got float",
+            "device must be a torch.device, a string such as 'cuda:0', or an int index of the current accelerator, got float",
         ),
         ({"device": "tpu9"}, ValueError, "device='tpu9' is not a device string"),
     ],
@@ -188,14 +188,14 @@ def test_factory_returning_non_module() -> None:
         )
 
 
-def test_source_validation_and_uninitialised_group() -> None:
-    with pytest.raises(
-        ValueError, match="source must be one of \\('local', 'rank0'\\), got 'rank1'"
-    ):
+def test_source_validation_and_uninitialized_group() -> None:
+    with pytest.raises(ValueError, match="source must be one of \\{local, rank0\\}, got 'rank1'"):
         build_replicated_model(
             ToyNet, None, device="cpu", default_dtype=torch.float32, seed=0, source="rank1"
         )
-    with pytest.raises(RuntimeError, match="source='rank0'\\) needs an initialised process group"):
+    with pytest.raises(
+        RuntimeError, match="source='rank0'\\) requires an initialized process group"
+    ):
         build_replicated_model(
             ToyNet, None, device="cpu", default_dtype=torch.float32, seed=0, source="rank0"
         )

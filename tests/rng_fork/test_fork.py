@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import rng_fork
-from fake_accelerator import FakeAccelerator
-from rng_fork import _compat, fork_model_rng, fork_rng
+from dist_core import _devices as dist_devices
+from fake_accelerator import FakeAccelerator, patch_device_module
+from rng_fork import fork_model_rng, fork_rng
 
 
 @pytest.fixture
@@ -24,8 +25,8 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAccelerator]:
         assert device_type == "xpu", f"unexpected device module lookup {device_type!r}"
         return accelerator
 
-    monkeypatch.setattr(_compat, "device_module", device_module)
-    monkeypatch.setattr(_compat, "current_accelerator_type", lambda: "xpu")
+    patch_device_module(monkeypatch, device_module)
+    monkeypatch.setattr(dist_devices, "accelerator_type", lambda: "xpu")
     accelerator.lookups = lookups  # type: ignore[attr-defined]
     yield accelerator
 
@@ -231,7 +232,7 @@ def test_cuda_fork_seeds_and_restores_only_its_device() -> None:
 
 
 @pytest.mark.cuda
-def test_cpu_fork_does_not_initialise_cuda() -> None:
+def test_cpu_fork_does_not_initialize_cuda() -> None:
     code = (
         "import torch, rng_fork\n"
         "with rng_fork.fork_rng(1, device='cpu'): torch.rand(1)\n"

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from fake_accelerator import FakeAccelerator
-from rng_fork import _compat, capture_rng_state, derive_seed, restore_rng_state
+from fake_accelerator import FakeAccelerator, patch_device_module
+from rng_fork import capture_rng_state, derive_seed, restore_rng_state
 
 
 def _draws() -> tuple[torch.Tensor, float, float]:
@@ -107,7 +107,7 @@ def test_missing_keys_are_named() -> None:
 
 def test_failed_device_write_rolls_back_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeAccelerator(count=2)
-    monkeypatch.setattr(_compat, "device_module", lambda _type: fake)
+    patch_device_module(monkeypatch, lambda _type: fake)
     state = capture_rng_state("xpu:1")
     torch.rand(3)
     before = torch.get_rng_state()

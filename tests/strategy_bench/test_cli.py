@@ -265,6 +265,7 @@ def test_user_model_end_to_end(tmp_path: Path) -> None:
             "--memory-budget must be positive",
         ),
         (["sweep", "--device", "cpu", "--time-budget", "0"], "--time-budget must be positive"),
+        (["sweep", "--device", "cpu", "--max-points", "0"], "--max-points must be >= 1, got 0"),
         (["run", "--device", "cpu", "--warmup", "-1"], "--warmup must be >= 0, got -1"),
         (["run", "--device", "cpu", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["run", "--device", "cpu", "--seq-len", "1"], "--seq-len must be >= 2, got 1"),
@@ -348,12 +349,14 @@ def test_a_failing_rank_ends_the_run_promptly(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 def test_sweep_rows_budget_and_recommendation(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
-    done = bench("sweep", *QUICK, "--models", "tiny", "--time-budget", "600", "--out", str(out))
+    # The first 3 points (most informative first); the full sweep of 11 points costs minutes.
+    done = bench("sweep", *QUICK, "--models", "tiny", "--max-points", "3", "--out", str(out))
     assert done.returncode == 0, done.stderr
     payload = json.loads((out / "results.json").read_text())
     points = sweep_points(bf16=True)
-    assert [(r["strategy"], r["knobs"]) for r in payload["results"]] == points
-    assert payload["skipped"] == []
+    assert [(r["strategy"], r["knobs"]) for r in payload["results"]] == points[:3]
+    assert [(s["strategy"], s["knobs"]) for s in payload["skipped"]] == points[3:]
+    assert "skipped (time budget 900 s, --max-points 3)" in done.stderr
     section = json.loads((out / "recommended.json").read_text())
     config = DistributedConfig.from_mapping(section)
     best = max(payload["results"], key=lambda r: r["samples_per_s"])

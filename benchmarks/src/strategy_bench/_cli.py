@@ -14,8 +14,7 @@ import torch
 
 from strategy_bench._errors import BenchUsageError
 from strategy_bench._launch import launch, under_torchrun
-from strategy_bench._measure import RunOptions
-from strategy_bench._plan import Config, Plan, WorkloadSpec
+from strategy_bench._plan import Config, Plan, RunOptions, WorkloadSpec
 from strategy_bench._presets import CPU_DEFAULT_MODELS, GPU_DEFAULT_MODELS, PRESETS
 from strategy_bench._results import read_results
 from strategy_bench._sweep import parse_memory, recommend, sweep_configs, yaml_section
@@ -51,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
         default=900.0,
         metavar="SECONDS",
         help="stop measuring new points once this would be exceeded (default 900)",
+    )
+    sweep.add_argument(
+        "--max-points",
+        type=int,
+        default=None,
+        metavar="N",
+        help="measure only the first N points (most informative first); list the rest as skipped",
     )
     sweep.add_argument(
         "--memory-budget",
@@ -172,6 +178,8 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         budget: float | None = args.time_budget
         if budget is not None and budget <= 0:
             raise BenchUsageError(f"--time-budget must be positive seconds, got {budget}")
+        if args.max_points is not None and args.max_points < 1:
+            raise BenchUsageError(f"--max-points must be >= 1, got {args.max_points}")
     else:
         configs = [
             Config(workload=index, strategy=strategy)
@@ -194,6 +202,7 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         options=options,
         out_dir=str(args.out),
         time_budget_s=budget,
+        max_points=getattr(args, "max_points", None),
         kind=args.command,
     )
     return plan, extra

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from strategy_bench._budget import TimeBudget
 from strategy_bench._plan import Plan
 from strategy_bench._results import read_results, write_results
 from strategy_bench._worker import configure_logging, run_rank
@@ -60,20 +61,16 @@ def _each_point(plan: Plan, scratch: Path, deadline: float | None, addr: str) ->
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     env: dict[str, Any] = {}
-    cost: dict[int, float] = {}
-    started = time.monotonic()
+    budget = TimeBudget(plan.time_budget_s, plan.max_points)
     for index, config in enumerate(plan.configs):
-        elapsed = time.monotonic() - started
-        if plan.time_budget_s is not None and elapsed + cost.get(config.workload, 0.0) > (
-            plan.time_budget_s
-        ):
+        if not budget.fits(config.workload):
             skipped.append(config.describe(plan.workloads))
             logger.info(
-                "[%d/%d] %s: skipped (time budget %.0f s)",
+                "[%d/%d] %s: skipped (%s)",
                 index + 1,
                 len(plan.configs),
                 config.describe(plan.workloads),
-                plan.time_budget_s,
+                plan.budget_text(),
             )
             continue
         point = dataclasses.replace(
@@ -81,13 +78,14 @@ def _each_point(plan: Plan, scratch: Path, deadline: float | None, addr: str) ->
             configs=[config],
             out_dir=str(scratch / f"point{index}"),
             time_budget_s=None,
+            max_points=None,
             first_index=index,
             total=len(plan.configs),
         )
         begin = time.monotonic()
         remaining = None if deadline is None else max(1.0, deadline - begin)
         code = _spawn(point, remaining, addr)
-        cost[config.workload] = time.monotonic() - begin
+        budget.spent(config.workload, time.monotonic() - begin)
         if code != 0:
             if rows:
                 write_results(out, env, rows, skipped=skipped)

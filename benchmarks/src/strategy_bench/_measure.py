@@ -19,31 +19,11 @@ from torch import nn
 from distributed_strategy import build_replicated_model, derive_seed
 from strategy_bench import _wrappers
 from strategy_bench._memory import PeakMemory
+from strategy_bench._plan import RunOptions
 from strategy_bench._timing import time_steps, timed_ms
 from strategy_bench._workload import Workload
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunOptions:
-    """How each configuration is measured.
-
-    Attributes:
-        steps: Timed training steps.
-        warmup: Untimed steps before them.
-        batch_size: Samples per rank per step.
-        dtype: ``"fp32"``, or ``"bf16"`` for bf16 autocast (fp32 master weights).
-        seed: Construction seed; each rank's data stream is derived from it.
-        wrap_repeats: Warm wraps timed per wrapper (the median is reported).
-    """
-
-    steps: int = 20
-    warmup: int = 5
-    batch_size: int = 8
-    dtype: str = "fp32"
-    seed: int = 0
-    wrap_repeats: int = 5
 
 
 def measure(
@@ -60,21 +40,32 @@ def measure(
     group; warm: the median of ``wrap_repeats`` alternating wraps on the default group), then
     training-step times and peak memory. Everything it allocated is freed before it returns.
     """
-    out = _measure(workload, strategy, knobs, options, device)
+    point = _Point(workload, strategy, knobs, options, device)
+    out: dict[str, Any] = {"rank": dist.get_rank()}
+    model = _build(point, out)
+    _wrap(point, model, out)
+    _steps(point, model, out)
+    del model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
 
 
-def _measure(
-    workload: Workload,
-    strategy: str,
-    knobs: Mapping[str, Any],
-    options: RunOptions,
-    device: torch.device,
-) -> dict[str, Any]:
-    out: dict[str, Any] = {"rank": dist.get_rank()}
+@dataclasses.dataclass(frozen=True)
+class _Point:
+    """One configuration as one rank measures it."""
+
+    workload: Workload
+    strategy: str
+    knobs: Mapping[str, Any]
+    options: RunOptions
+    device: torch.device
+
+
+def _build(point: _Point, out: dict[str, Any]) -> nn.Module:
+    """Build the replica (``local`` and, for its timing, ``rank0``); apply the trainable policy."""
+    workload, options, device = point.workload, point.options, point.device
     build: dict[str, Any] = {
         "model_cls": workload.factory,
         "init_params": dict(workload.init_params),
@@ -97,6 +88,12 @@ def _measure(
         model = result if isinstance(result, nn.Module) else model
     out["params"] = sum(p.numel() for p in model.parameters())
     out["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return model
+
+
+def _wrap(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
+    """Time our wrapper against raw torch on copies of ``model``: cold, then warm."""
+    strategy, knobs, device = point.strategy, point.knobs, point.device
 
     def wrap_copy(which: str, group: dist.ProcessGroup | None = None) -> float:
         wrap = _wrappers.ours if which == "ours" else _wrappers.raw
@@ -108,14 +105,19 @@ def _measure(
     out["raw_wrap_cold_ms"] = wrap_copy("raw", dist.new_group())
     out["wrap_cold_ms"] = wrap_copy("ours", dist.new_group())
     warm: dict[str, list[float]] = {"ours": [], "raw": []}
-    for which in itertools.islice(itertools.cycle(("raw", "ours")), 2 * options.wrap_repeats):
+    repeats = 2 * point.options.wrap_repeats
+    for which in itertools.islice(itertools.cycle(("raw", "ours")), repeats):
         warm[which].append(wrap_copy(which))
     out["wrap_ms"] = statistics.median(warm["ours"])
     out["raw_wrap_ms"] = statistics.median(warm["raw"])
     out["wrap_ms_all"] = warm["ours"]
     out["raw_wrap_ms_all"] = warm["raw"]
 
-    wrapped = _wrappers.ours(strategy, model, device, knobs)
+
+def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
+    """Wrap ``model`` with ours and time training steps; record the peak memory."""
+    workload, options, device = point.workload, point.options, point.device
+    wrapped = _wrappers.ours(point.strategy, model, device, point.knobs)
     optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-4)
     generator = torch.Generator().manual_seed(derive_seed(options.seed, "data", dist.get_rank()))
     batches = [
@@ -139,7 +141,6 @@ def _measure(
     with PeakMemory(device) as memory:
         out["step_ms"] = time_steps(step, steps=options.steps, warmup=options.warmup, device=device)
     out["peak_mem_bytes"] = memory.peak
-    return out
 
 
 def measure_peak_flops(device: torch.device, size: int = 8192, repeats: int = 10) -> float | None:

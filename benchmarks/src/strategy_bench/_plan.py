@@ -5,8 +5,28 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from strategy_bench._measure import RunOptions
 from strategy_bench._workload import Workload, preset_workload, user_workload
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How each configuration is measured.
+
+    Attributes:
+        steps: Timed training steps.
+        warmup: Untimed steps before them.
+        batch_size: Samples per rank per step.
+        dtype: ``"fp32"``, or ``"bf16"`` for bf16 autocast (fp32 master weights).
+        seed: Construction seed; each rank's data stream is derived from it.
+        wrap_repeats: Warm wraps timed per wrapper (the median is reported).
+    """
+
+    steps: int = 20
+    warmup: int = 5
+    batch_size: int = 8
+    dtype: str = "fp32"
+    seed: int = 0
+    wrap_repeats: int = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +77,7 @@ class Plan:
         options: How each point is measured.
         out_dir: Where rank 0 writes ``results.json``.
         time_budget_s: Skip the remaining points once this would be exceeded (``None``: never).
+        max_points: Measure at most this many points; the rest are skipped (``None``: all).
         pg_timeout_s: Collective timeout: a lost rank fails the others after this at worst.
         kind: ``"run"`` or ``"sweep"`` (recorded in the results).
         first_index: Position of ``configs[0]`` in the whole run (for progress lines).
@@ -70,10 +91,18 @@ class Plan:
     options: RunOptions
     out_dir: str
     time_budget_s: float | None = None
+    max_points: int | None = None
     pg_timeout_s: float = 300.0
     kind: str = "run"
     first_index: int = 0
     total: int | None = None
+
+    def budget_text(self) -> str:
+        """The budget, for progress lines of skipped points."""
+        parts = [] if self.time_budget_s is None else [f"time budget {self.time_budget_s:.0f} s"]
+        if self.max_points is not None:
+            parts.append(f"--max-points {self.max_points}")
+        return ", ".join(parts) or "no budget"
 
     @property
     def backend(self) -> str:

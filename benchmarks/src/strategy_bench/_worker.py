@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from strategy_bench._budget import TimeBudget
 from strategy_bench._measure import measure, measure_peak_flops, warm_up_process
 from strategy_bench._plan import Plan
 from strategy_bench._results import environment, merge_ranks, write_results
@@ -32,7 +33,7 @@ def configure_logging() -> None:
 
 
 def run_rank(plan: Plan, *, rank: int, world_size: int, local_rank: int, init_method: str) -> None:
-    """Initialise the process group, measure every point of ``plan``, write results on rank 0."""
+    """Initialize the process group, measure every point of ``plan``, write results on rank 0."""
     device = _device(plan.device, local_rank)
     if device.type == "cpu":
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -71,8 +72,7 @@ def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -
     out = Path(plan.out_dir) / "results.json"
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
-    cost: dict[int, float] = {}
-    started = time.monotonic()
+    budget = TimeBudget(plan.time_budget_s, plan.max_points)
     for index, config in enumerate(plan.configs):
         position = plan.first_index + index + 1
         label = (
@@ -81,17 +81,18 @@ def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -
         )
         if config.knobs:
             label += " " + " ".join(f"{k}={v}" for k, v in config.knobs.items())
-        if not _within_budget(plan, cost.get(config.workload, 0.0), started):
+        if not _fits_on_every_rank(budget, config.workload):
             skipped.append(config.describe(plan.workloads))
             if rank == 0:
-                logger.info("%s: skipped (time budget %.0f s)", label, plan.time_budget_s)
+                logger.info("%s: skipped (%s)", label, plan.budget_text())
             continue
         begin = time.monotonic()
         workload = workloads[config.workload]
         mine = measure(workload, config.strategy, config.knobs, plan.options, device)
         per_rank: list[dict[str, Any]] = [{} for _ in range(world_size)]
         dist.all_gather_object(per_rank, mine)
-        cost[config.workload] = time.monotonic() - begin
+        seconds = time.monotonic() - begin
+        budget.spent(config.workload, seconds)
         if rank != 0:
             continue
         row = merge_ranks(
@@ -118,17 +119,17 @@ def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -
             row["wrap_ms"],
             row["raw_wrap_ms"],
             row["peak_mem_bytes"] / 2**20,
-            cost[config.workload],
+            seconds,
         )
     if rank == 0:
         write_results(out, env, rows, skipped=skipped)
 
 
-def _within_budget(plan: Plan, estimate: float, started: float) -> bool:
+def _fits_on_every_rank(budget: TimeBudget, workload: int) -> bool:
     """Rank 0 decides whether the next point fits the budget; every rank follows."""
-    if plan.time_budget_s is None:
+    if budget.unlimited:
         return True
-    decision = [time.monotonic() - started + estimate <= plan.time_budget_s]
+    decision = [budget.fits(workload)]
     dist.broadcast_object_list(decision, src=0)
     return bool(decision[0])
 

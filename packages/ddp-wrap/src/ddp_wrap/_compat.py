@@ -40,20 +40,6 @@ def construct_ddp(
         return cls(module, broadcast_buffers=False, **kwargs)
 
 
-def is_compiled_wrapper(module: nn.Module) -> bool:
-    """Whether ``module`` is ``torch.compile``'s ``OptimizedModule`` (without importing dynamo)."""
-    return type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules
-
-
-def fsdp1_class() -> type[nn.Module] | None:
-    """FSDP1's ``FullyShardedDataParallel`` class, or ``None`` where it cannot be imported."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - builds without distributed support
-        return None
-    return FullyShardedDataParallel
-
-
 _GLOBAL_PRE_HOOKS: dict[Any, Any] | None = getattr(_module_impl, "_global_forward_pre_hooks", None)
 _HOOK_IDS = itertools.count(-1, -1)  # negative: never collides with RemovableHandle ids
 

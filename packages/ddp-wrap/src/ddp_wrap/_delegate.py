@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import operator
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -12,8 +11,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_wrap import _compat
-
-logger = logging.getLogger(__name__)
+from dist_core import check_forward_methods
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _MISSING = object()
@@ -55,9 +53,7 @@ class DelegatingDistributedDataParallel(DistributedDataParallel):
         detect_bypass: bool = True,
         **kwargs: Any,
     ) -> None:
-        names = tuple(forward_methods)
-        for name in names:
-            check_forward_method(module, name)
+        names = check_forward_methods(module, forward_methods, reserved=_DDP_NAMES, wrapper=_DDP)
         super().__init__(module, *args, **kwargs)
         params = tuple(module.parameters()) if check_trainable else ()
         state = self.__dict__
@@ -241,30 +237,6 @@ class _GuardedMethod:
         return f"<guarded {self._fn!r}>"
 
 
-def check_forward_method(module: nn.Module, name: object) -> None:
-    """Validate that ``name`` can be marked as a forward method of ``module``."""
-    if not isinstance(name, str):
-        raise TypeError(
-            f"forward method names must be strings, got {type(name).__name__} ({name!r})"
-        )
-    if name == "forward" or hasattr(DelegatingDistributedDataParallel, name):
-        raise ValueError(
-            f"cannot mark {name!r} as a forward method: DistributedDataParallel has its own "
-            f"{name!r}; call it on the wrapped module instead (wrapper.module.{name})"
-        )
-    value = getattr(module, name, _MISSING)
-    if value is _MISSING:
-        raise AttributeError(
-            f"cannot mark {name!r} as a forward method: {type(module).__name__} has no "
-            f"attribute {name!r}"
-        )
-    if not callable(value) or isinstance(value, nn.Module):
-        raise TypeError(
-            f"cannot mark {name!r} as a forward method: {type(module).__name__}.{name} is a "
-            f"{type(value).__name__}, not a method"
-        )
-
-
 def mark_forward_method(wrapped: DistributedDataParallel, name: str) -> None:
     """Route ``wrapped.<name>(...)`` through DDP's forward.
 
@@ -286,7 +258,7 @@ def mark_forward_method(wrapped: DistributedDataParallel, name: str) -> None:
             "mark_forward_method needs a DelegatingDistributedDataParallel (use "
             f"wrap_module_ddp to wrap the model), got {type(wrapped).__name__}"
         )
-    check_forward_method(wrapped.module, name)
+    check_forward_methods(wrapped.module, (name,), reserved=_DDP_NAMES, wrapper=_DDP)
     wrapped.__dict__["_ddp_wrap_forward_methods"][name] = _ForwardMethod(wrapped, name)
 
 
@@ -300,3 +272,8 @@ def _owns(obj: nn.Module, name: str) -> bool:
         or name in state.get("_modules", ())
         or hasattr(type(obj), name)
     )
+
+
+# A forward method may not take a name that the wrapper itself has.
+_DDP = "DistributedDataParallel"
+_DDP_NAMES = frozenset(dir(DelegatingDistributedDataParallel))

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DataParallel, DistributedDataParallel
+from torch.nn.parallel import DistributedDataParallel
 
 from ddp_wrap import _compat
-from ddp_wrap._checks import DeviceLike, check_wrap_preconditions
-from ddp_wrap._delegate import DelegatingDistributedDataParallel, check_forward_method
+from ddp_wrap._delegate import DelegatingDistributedDataParallel
+from dist_core import DeviceLike, check_wrap_preconditions, log_rank0
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def wrap_module_ddp(
 ) -> DelegatingDistributedDataParallel:
     """Wrap ``module`` in :class:`DelegatingDistributedDataParallel`, like the MMAudio runner.
 
-    Checks, in this order: the process group is initialised (``RuntimeError``); at least one
+    Checks, in this order: the process group is initialized (``RuntimeError``); at least one
     parameter is trainable (``ValueError``); a CUDA ``device`` has a concrete index
     (``ValueError``); every parameter is on ``device`` (``ValueError`` naming the first one that
     is not). A CUDA device gets ``device_ids=[index]`` and ``output_device=index``; a CPU device
@@ -60,7 +60,7 @@ def wrap_module_ddp(
     Raises:
         TypeError: If ``module`` is not a module, an argument has the wrong type, or
             ``ddp_kwargs`` holds an argument this function sets itself.
-        RuntimeError: If the process group is not initialised.
+        RuntimeError: If the process group is not initialized.
         ValueError: See the checks above; or a forward method name is DDP's own.
         AttributeError: If a forward method name is not an attribute of ``module``.
     """
@@ -70,9 +70,7 @@ def wrap_module_ddp(
             raise TypeError(f"wrap_module_ddp sets {key!r} itself; pass {_RESERVED[key]} instead")
     if not isinstance(broadcast_buffers, bool):
         raise TypeError(f"broadcast_buffers must be a bool, got {broadcast_buffers!r}")
-    names = tuple(forward_methods)
-    for name in names:
-        check_forward_method(module, name)
+    names = tuple(forward_methods)  # checked by the wrapper before DDP is constructed
     if target.type == "cuda":
         ddp_kwargs = {**ddp_kwargs, "device_ids": [target.index], "output_device": target.index}
     wrapped = _compat.construct_ddp(
@@ -85,12 +83,13 @@ def wrap_module_ddp(
         **ddp_kwargs,
     )
     if logger.isEnabledFor(logging.INFO):  # the counts walk every parameter: only if shown
-        logger.info(
-            "wrapped %s in DDP on %s (rank %d of %d): %d of %d parameters trainable, "
+        log_rank0(
+            logger,
+            logging.INFO,
+            "wrapped %s in DDP on %s x %d rank(s): %d of %d parameters trainable, "
             "broadcast_buffers=%s, forward methods %s",
             type(module).__name__,
-            target,
-            dist.get_rank(),
+            target.type,
             dist.get_world_size(),
             sum(p.numel() for p in module.parameters() if p.requires_grad),
             sum(p.numel() for p in module.parameters()),
@@ -113,26 +112,3 @@ def unwrap_ddp_module(module: nn.Module) -> nn.Module:
         inner: nn.Module = module.module
         return inner
     return module
-
-
-def unwrap_model(module: nn.Module) -> nn.Module:
-    """Peel every layer of DDP, ``DataParallel``, ``torch.compile`` and FSDP1, in any nesting.
-
-    Use it for checkpoints, EMA and inference, which want the bare model.
-
-    Args:
-        module: A model in any nesting of those wrappers.
-
-    Returns:
-        The innermost module.
-    """
-    fsdp1 = _compat.fsdp1_class()
-    while True:
-        if isinstance(module, DistributedDataParallel | DataParallel):
-            module = module.module
-        elif _compat.is_compiled_wrapper(module):
-            module = module._modules["_orig_mod"]  # type: ignore[assignment]
-        elif fsdp1 is not None and isinstance(module, fsdp1):
-            module = module.module  # type: ignore[assignment]
-        else:
-            return module

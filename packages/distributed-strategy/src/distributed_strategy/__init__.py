@@ -1,18 +1,34 @@
 """The composed import: config to a DDP- or FSDP-wrapped model with verified replicas.
 
-Re-exports every public name of strategy-config, rng-fork, replica-init, ddp-wrap and
-fsdp-wrap, including the reference module's ``__all__``.
+Re-exports every public name of strategy-config, dist-core, rng-fork, replica-init, ddp-wrap
+and fsdp-wrap, including the reference module's ``__all__``.
 """
 
 from __future__ import annotations
 
 from ddp_wrap import (
     DelegatingDistributedDataParallel,
-    check_wrap_preconditions,
     mark_forward_method,
     unwrap_ddp_module,
-    unwrap_model,
     wrap_module_ddp,
+)
+from dist_core import (
+    DeviceLike,
+    Strategy,
+    accelerator_type,
+    check_forward_methods,
+    check_wrap_preconditions,
+    fsdp_modules,
+    is_compiled,
+    is_distributed,
+    log_rank0,
+    rank,
+    require_device_index,
+    require_process_group,
+    resolve_device,
+    strategy_of,
+    unwrap_model,
+    world_size,
 )
 from distributed_strategy._prepare import TrainablePolicy, prepare_model, resolve_config
 from fsdp_wrap import (
@@ -23,7 +39,6 @@ from fsdp_wrap import (
     wrap_module_fsdp,
 )
 from replica_init import (
-    BUILD_SOURCES,
     ReplicaMismatchError,
     assert_replicas_identical,
     build_replicated_model,
@@ -33,17 +48,16 @@ from replica_init import (
 from rng_fork import (
     SEED_MAX,
     SEED_MIN,
-    DeviceLike,
     DeviceRngState,
     RngState,
     capture_rng_state,
     derive_seed,
     fork_model_rng,
     fork_rng,
-    resolve_device,
     restore_rng_state,
 )
 from strategy_config import (
+    BUILD_SOURCES,
     DEFAULT_DISTRIBUTED_STRATEGY,
     DTYPE_NAMES,
     SUPPORTED_DISTRIBUTED_STRATEGIES,
@@ -69,31 +83,43 @@ __all__ = [
     "ReplicaMismatchError",
     "RngState",
     "ShardPolicy",
+    "Strategy",
     "TrainablePolicy",
+    "accelerator_type",
     "assert_replicas_identical",
     "build_replicated_model",
     "build_replicated_model_from_scratch",
     "capture_rng_state",
+    "check_forward_methods",
     "check_wrap_preconditions",
     "derive_seed",
     "did_you_mean",
     "fork_model_rng",
     "fork_rng",
+    "fsdp_modules",
+    "is_compiled",
     "is_ddp_strategy",
+    "is_distributed",
     "load_distributed_config",
+    "log_rank0",
     "mark_forward_method",
     "mixed_precision_policy",
     "model_fingerprint",
     "normalize_distributed_strategy",
     "normalize_dtype_name",
     "prepare_model",
+    "rank",
+    "require_device_index",
+    "require_process_group",
     "resolve_config",
     "resolve_device",
     "restore_rng_state",
     "select_shard_targets",
+    "strategy_of",
     "torch_dtype",
     "unwrap_ddp_module",
     "unwrap_model",
+    "world_size",
     "wrap_module_ddp",
     "wrap_module_fsdp",
 ]

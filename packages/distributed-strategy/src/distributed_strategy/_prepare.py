@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ddp_wrap import DeviceLike, wrap_module_ddp
+from ddp_wrap import wrap_module_ddp
+from dist_core import DeviceLike, log_rank0, require_process_group
 from fsdp_wrap import ShardPolicy, wrap_module_fsdp
 from replica_init import assert_replicas_identical, build_replicated_model
 from strategy_config import DistributedConfig
@@ -94,16 +95,12 @@ def prepare_model(
         itself for FSDP.
 
     Raises:
-        RuntimeError: If the default process group is not initialised (before anything is
+        RuntimeError: If the default process group is not initialized (before anything is
             built); ``ReplicaMismatchError`` if the replicas differ.
         TypeError: If an argument has the wrong type (the argument is named).
         ValueError: If a config value is invalid, with strategy-config's message.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "prepare_model requires an initialised torch.distributed process group; call "
-            "torch.distributed.init_process_group() (e.g. under torchrun) before wrapping"
-        )
+    require_process_group("prepare_model", instead="before preparing the model")
     settings = resolve_config(config)
     if source is not None:
         settings = DistributedConfig.from_mapping({**settings.to_dict(), "source": source})
@@ -142,35 +139,51 @@ def prepare_model(
             wrapped = wrap_module_fsdp(
                 model, device=device, shard=shard, forward_methods=names, **settings.fsdp_options()
             )
-    if dist.get_rank() == 0:
-        logger.info(
-            "prepared %s for %s on %d rank(s): %d parameters, %d trainable, source=%s, "
-            "replicas %s; %s",
-            model_name,
-            settings.strategy.upper(),
-            dist.get_world_size(),
-            total,
-            trainable_count,
-            settings.source,
-            f"identical ({fingerprint[:12]})" if fingerprint else "not verified",
-            ", ".join(f"{stage} {seconds * 1e3:.1f} ms" for stage, seconds in stages.items()),
-        )
+    log_rank0(
+        logger,
+        logging.INFO,
+        "prepared %s for %s on %d rank(s): %d parameters, %d trainable, source=%s, replicas %s; %s",
+        model_name,
+        settings.strategy.upper(),
+        dist.get_world_size(),
+        total,
+        trainable_count,
+        settings.source,
+        f"identical ({fingerprint[:12]})" if fingerprint else "not verified",
+        ", ".join(f"{stage} {seconds * 1e3:.1f} ms" for stage, seconds in stages.items()),
+    )
     return wrapped
 
 
 def _apply_trainable(model: nn.Module, trainable: TrainablePolicy | None) -> nn.Module:
     if trainable is None:
         return model
+    name = getattr(trainable, "__name__", None) or repr(trainable)
     result = trainable(model)
-    if result is None:
-        return model
-    if not isinstance(result, nn.Module):
+    if result is not None and not isinstance(result, nn.Module):
         raise TypeError(
             "the trainable policy must change the model in place and return None, or return an "
-            f"nn.Module; {getattr(trainable, '__name__', trainable)!r} returned "
-            f"{type(result).__name__}"
+            f"nn.Module; {name!r} returned {type(result).__name__}"
         )
-    return result
+    if result is not None and result is not model and _is_submodule(model, result):
+        raise TypeError(
+            f"the trainable policy {name!r} returned {type(result).__name__}, a submodule of "
+            f"the built {type(model).__name__}: the whole model would be replaced by that part "
+            "(requires_grad_() returns the module it is called on). Return None (change the "
+            "model in place) or the whole model"
+        )
+    model = model if result is None else result
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            f"the trainable policy {name!r} left no trainable parameter in "
+            f"{type(model).__name__}; make at least one parameter require grad, or do not "
+            "wrap the model"
+        )
+    return model
+
+
+def _is_submodule(model: nn.Module, candidate: nn.Module) -> bool:
+    return any(candidate is sub for sub in model.modules())
 
 
 @contextmanager

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_wrap._compat import MixedPrecisionPolicy
 from strategy_config import normalize_dtype_name
 
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-from ddp_wrap import DeviceLike, check_wrap_preconditions
-from fsdp_wrap._compat import fully_shard, register_fsdp_forward_method
+from dist_core import DeviceLike, check_forward_methods, check_wrap_preconditions, log_rank0
 from fsdp_wrap._policy import ShardPolicy, select_shard_targets
 from fsdp_wrap._precision import mixed_precision_policy
 
@@ -33,7 +33,7 @@ def wrap_module_fsdp(
 
     Applies ``fully_shard`` to each submodule that ``shard`` selects, children before parents,
     then to the root. The same precondition checks, in the same order and with the same
-    errors, as ddp-wrap's ``wrap_module_ddp``: initialised process group, at least one
+    errors, as ddp-wrap's ``wrap_module_ddp``: initialized process group, at least one
     trainable parameter, a concrete CUDA index, every parameter on ``device``.
 
     The returned module is the model itself (FSDP2 swaps its class for an ``FSDPModule``
@@ -63,7 +63,7 @@ def wrap_module_fsdp(
 
     Raises:
         TypeError: If ``module`` is not a module or an argument has the wrong type.
-        RuntimeError: If the process group is not initialised.
+        RuntimeError: If the process group is not initialized.
         ValueError: See the checks above; an unknown dtype name (the valid names are listed);
             a CUDA ``device`` that is not the current device; a mesh on another device type.
         AttributeError: If a forward method name is not a method of ``module``.
@@ -72,7 +72,7 @@ def wrap_module_fsdp(
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
     policy = mixed_precision_policy(param_dtype, reduce_dtype)
-    names = _check_forward_methods(module, forward_methods)
+    names = check_forward_methods(module, forward_methods, wrapper="FSDP")
     mesh = _resolve_mesh(mesh, target)
     targets = select_shard_targets(module, shard)
     model_name = type(module).__name__  # before fully_shard swaps the class
@@ -81,12 +81,13 @@ def wrap_module_fsdp(
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     for name in names:
         register_fsdp_forward_method(module, name)
-    logger.info(
-        "sharded %s with FSDP2 on %s (rank %d of %d): %d unit(s) plus the root, "
+    log_rank0(
+        logger,
+        logging.INFO,
+        "sharded %s with FSDP2 on %s x %d rank(s): %d unit(s) plus the root, "
         "reshard_after_forward=%s, param_dtype=%s, reduce_dtype=%s, forward methods %s",
         model_name,
-        target,
-        dist.get_rank(),
+        target.type,
         dist.get_world_size(),
         len(targets),
         reshard_after_forward,
@@ -95,27 +96,6 @@ def wrap_module_fsdp(
         list(names),
     )
     return module
-
-
-def _check_forward_methods(module: nn.Module, forward_methods: Iterable[str]) -> tuple[str, ...]:
-    names = tuple(forward_methods)
-    for name in names:
-        if not isinstance(name, str):
-            raise TypeError(
-                f"forward method names must be strings, got {type(name).__name__} ({name!r})"
-            )
-        value = getattr(module, name, None)
-        if value is None:
-            raise AttributeError(
-                f"cannot register {name!r} as a forward method: {type(module).__name__} has no "
-                f"attribute {name!r}"
-            )
-        if name == "forward" or not callable(value) or isinstance(value, nn.Module):
-            raise ValueError(
-                f"cannot register {name!r} as a forward method of {type(module).__name__}: "
-                "name a method other than forward"
-            )
-    return names
 
 
 def _resolve_mesh(mesh: DeviceMesh | None, target: torch.device) -> DeviceMesh:

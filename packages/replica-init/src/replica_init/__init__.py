@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from replica_init._build import build_replicated_model_from_scratch
 from replica_init._fingerprint import model_fingerprint
-from replica_init._source import BUILD_SOURCES, build_replicated_model
+from replica_init._source import build_replicated_model
 from replica_init._verify import ReplicaMismatchError, assert_replicas_identical
 
 __all__ = [
-    "BUILD_SOURCES",
     "ReplicaMismatchError",
     "assert_replicas_identical",
     "build_replicated_model",

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from replica_init import _compat
-from rng_fork import DeviceLike, fork_model_rng, fork_rng, resolve_device
-
-logger = logging.getLogger(__name__)
+from dist_core import DeviceLike, resolve_device
+from rng_fork import fork_model_rng, fork_rng
 
 ModelFactory = Callable[..., nn.Module]
 
@@ -58,8 +55,7 @@ def build_replicated_model_from_scratch(
     """
     params = check_build_arguments(model_cls, init_params, default_dtype)
     target = resolve_device(device)
-    assert target is not None  # resolve_device returns None only for None
-    with fork_model_rng(target, seed), _default_dtype(default_dtype), _compat.cpu_construction():
+    with fork_model_rng(target, seed), _default_dtype(default_dtype), _cpu_construction():
         model = model_cls(**params)
     check_is_module(model_cls, model)
     return model.to(device=target)
@@ -157,3 +153,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def _name(model_cls: object) -> str:
     return str(getattr(model_cls, "__qualname__", None) or repr(model_cls))
+
+
+def _cpu_construction() -> contextlib.AbstractContextManager[object]:
+    """A context in which tensor factories allocate on CPU.
+
+    ``torch.device("cpu")`` as a context installs a torch-function mode that every factory
+    call of the constructor goes through (about 5% of a small model's construction time), so
+    it is entered only when an outer default device (``torch.set_default_device``) is not CPU.
+    """
+    if torch.get_default_device().type == "cpu":
+        return contextlib.nullcontext()
+    return torch.device("cpu")

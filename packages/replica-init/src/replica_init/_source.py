@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from replica_init import _compat
+from dist_core import DeviceLike, require_process_group, resolve_device
 from replica_init._build import (
     ModelFactory,
     build_on_meta,
@@ -19,11 +19,9 @@ from replica_init._build import (
 )
 from replica_init._fingerprint import named_state_tensors
 from replica_init._verify import ReplicaMismatchError
-from rng_fork import DeviceLike, resolve_device
+from strategy_config import BUILD_SOURCES
 
 logger = logging.getLogger(__name__)
-
-BUILD_SOURCES = ("local", "rank0")
 
 
 def build_replicated_model(
@@ -58,23 +56,19 @@ def build_replicated_model(
     Raises:
         ValueError: If ``source`` is not ``"local"`` or ``"rank0"``, or see
             :func:`build_replicated_model_from_scratch`.
-        RuntimeError: If ``source="rank0"`` and the process group is not initialised.
+        RuntimeError: If ``source="rank0"`` and the process group is not initialized.
         ReplicaMismatchError: If the ranks' model structures differ (``"rank0"``).
     """
     if source not in BUILD_SOURCES:
         raise ValueError(
-            f"source must be one of {BUILD_SOURCES}, got {source!r}; use 'local' (every rank "
+            f"source must be one of {{local, rank0}}, got {source!r}; use 'local' (every rank "
             "constructs) or 'rank0' (rank 0 constructs and broadcasts)"
         )
     if source == "local":
         return build_replicated_model_from_scratch(
             model_cls, init_params, device=device, default_dtype=default_dtype, seed=seed
         )
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "build_replicated_model(source='rank0') needs an initialised process group; call "
-            "torch.distributed.init_process_group() first, or use source='local'"
-        )
+    require_process_group("build_replicated_model(source='rank0')", instead="or use source='local'")
     model: nn.Module | None = None
     failure: Exception | None = None
     try:
@@ -85,14 +79,13 @@ def build_replicated_model(
         else:
             params = check_build_arguments(model_cls, init_params, default_dtype)
             target = resolve_device(device)
-            assert target is not None
             model = _materialize(build_on_meta(model_cls, params, default_dtype), target)
     except Exception as error:
         failure = error
     # Every rank reports, failed or not, so that no rank waits forever on one that raised.
     _check_same_structure(model, failure, group)
     assert model is not None
-    src = _compat.global_rank(group, 0)
+    src = 0 if group is None else dist.get_global_rank(group, 0)
     with torch.no_grad():
         for _, tensor in named_state_tensors(model):
             dist.broadcast(tensor.data, src=src, group=group)

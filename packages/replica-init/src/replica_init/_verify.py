@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch.distributed as dist
 from torch import nn
 
+from dist_core import require_process_group
 from replica_init._fingerprint import combine, tensor_digests
-
-logger = logging.getLogger(__name__)
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -45,15 +42,11 @@ def assert_replicas_identical(module: nn.Module, *, group: dist.ProcessGroup | N
         The common fingerprint.
 
     Raises:
-        RuntimeError: If the default process group is not initialised.
+        RuntimeError: If the default process group is not initialized.
         ReplicaMismatchError: If any rank's replica differs; the message names the ranks that
             differ from rank 0 and the first differing tensor, with the ranks on each side.
     """
-    if not dist.is_initialized():
-        raise RuntimeError(
-            "assert_replicas_identical needs an initialised process group; call "
-            "torch.distributed.init_process_group() first"
-        )
+    require_process_group("assert_replicas_identical")
     digests = tensor_digests(module)
     fingerprint = combine(digests)
     fingerprints: list[str] = [""] * dist.get_world_size(group)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from rng_fork._devices import DeviceLike, resolve_device
 from rng_fork._fork import fork_model_rng, fork_rng
 from rng_fork._seed import SEED_MAX, SEED_MIN, derive_seed
 from rng_fork._state import DeviceRngState, RngState, capture_rng_state, restore_rng_state
@@ -10,13 +9,11 @@ from rng_fork._state import DeviceRngState, RngState, capture_rng_state, restore
 __all__ = [
     "SEED_MAX",
     "SEED_MIN",
-    "DeviceLike",
     "DeviceRngState",
     "RngState",
     "capture_rng_state",
     "derive_seed",
     "fork_model_rng",
     "fork_rng",
-    "resolve_device",
     "restore_rng_state",
 ]

@@ -7,40 +7,8 @@ from types import ModuleType
 
 import torch
 
-from rng_fork import _compat
-
-DeviceLike = torch.device | str | int
-
 # Device types that have no generator of their own: forking them forks the CPU stream only.
 _HOST_TYPES = frozenset({"cpu", "meta"})
-
-
-def resolve_device(device: DeviceLike | None, *, argument: str = "device") -> torch.device | None:
-    """Turn a device argument into a ``torch.device`` (``None`` stays ``None``).
-
-    An ``int`` is an index of the current accelerator type (CUDA on a CUDA build).
-
-    Raises:
-        TypeError: If ``device`` is not a ``torch.device``, string, int or ``None``.
-        ValueError: If the string does not name a device, or the index is negative.
-    """
-    if device is None or isinstance(device, torch.device):
-        return device
-    if isinstance(device, bool) or not isinstance(device, (str, int)):
-        raise TypeError(
-            f"{argument} must be a torch.device, a string such as 'cuda:0', or an int index, "
-            f"got {type(device).__name__} ({device!r})"
-        )
-    if isinstance(device, int):
-        if device < 0:
-            raise ValueError(f"{argument} index must be >= 0, got {device}")
-        return torch.device(_compat.current_accelerator_type(), device)
-    try:
-        return torch.device(device)
-    except RuntimeError as error:
-        raise ValueError(
-            f"{argument}={device!r} is not a device string; use e.g. 'cpu', 'cuda' or 'cuda:1'"
-        ) from error
 
 
 @dataclass(frozen=True)
@@ -75,11 +43,11 @@ def accelerator_stream(device: torch.device | None, *, argument: str) -> Acceler
 
     Raises:
         RuntimeError: If the device type is not available in this process, or the index is
-            out of range. Nothing is initialised before the checks pass.
+            out of range. Nothing is initialized before the checks pass.
     """
     if device is None or device.type in _HOST_TYPES:
         return None
-    module = _compat.device_module(device.type)
+    module = torch.get_device_module(device.type)
     if not module.is_available():
         raise RuntimeError(
             f"{argument}={str(device)!r}: {device.type} is not available in this process; "

@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import torch
 
-from rng_fork._devices import DeviceLike, accelerator_stream, resolve_device
+from dist_core import DeviceLike, resolve_device
+from rng_fork._devices import accelerator_stream
 from rng_fork._seed import check_seed
 from rng_fork._state import apply_state, capture_streams
 
@@ -29,7 +30,7 @@ def fork_rng(
     device's generator (and ``random``/``numpy.random`` when asked); with a ``seed`` it seeds
     exactly those. On exit, normal or by exception, it restores exactly those, so the outer
     streams continue as if the block never ran. No other device is touched, seeded or
-    initialised: a CPU ``device`` (or ``None``) never initialises CUDA. Unlike
+    initialized: a CPU ``device`` (or ``None``) never initializes CUDA. Unlike
     ``torch.manual_seed`` inside ``torch.random.fork_rng``, seeding does not reach the other
     GPUs of the process. Forks nest.
 

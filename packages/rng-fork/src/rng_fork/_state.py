@@ -7,7 +7,8 @@ from typing import Any, TypedDict
 
 import torch
 
-from rng_fork._devices import AcceleratorStream, DeviceLike, accelerator_stream, resolve_device
+from dist_core import DeviceLike, resolve_device
+from rng_fork._devices import AcceleratorStream, accelerator_stream
 
 STATE_FORMAT = "rng_fork.state/1"
 
@@ -41,7 +42,7 @@ def capture_rng_state(
     Args:
         device: An accelerator device (``"cuda:1"``, ``torch.device("xpu", 0)``, an int index)
             whose generator is captured too. CPU, meta or ``None`` capture the CPU generator
-            only, and never initialise an accelerator.
+            only, and never initialize an accelerator.
         python: Also capture ``random``'s global state.
         numpy: Also capture ``numpy.random``'s global (legacy) state.
 

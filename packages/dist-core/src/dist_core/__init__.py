@@ -1,0 +1,31 @@
+"""The rules every distributed-strategy stage shares, each defined once.
+
+What a device argument means, whether a process group is initialized, the checks before a
+data-parallel wrap, and what a model is wrapped in.
+"""
+
+from __future__ import annotations
+
+from dist_core._checks import check_forward_methods, check_wrap_preconditions
+from dist_core._devices import DeviceLike, accelerator_type, require_device_index, resolve_device
+from dist_core._group import is_distributed, log_rank0, rank, require_process_group, world_size
+from dist_core._wrapped import Strategy, fsdp_modules, is_compiled, strategy_of, unwrap_model
+
+__all__ = [
+    "DeviceLike",
+    "Strategy",
+    "accelerator_type",
+    "check_forward_methods",
+    "check_wrap_preconditions",
+    "fsdp_modules",
+    "is_compiled",
+    "is_distributed",
+    "log_rank0",
+    "rank",
+    "require_device_index",
+    "require_process_group",
+    "resolve_device",
+    "strategy_of",
+    "unwrap_model",
+    "world_size",
+]

@@ -1,0 +1,80 @@
+"""What a device argument means: the one resolver every package uses."""
+
+from __future__ import annotations
+
+from typing import overload
+
+import torch
+
+DeviceLike = torch.device | str | int
+"""A device argument: a ``torch.device``, a string (``"cuda:1"``) or an int index."""
+
+
+def accelerator_type() -> str:
+    """The device type that a bare integer index refers to: the current accelerator's.
+
+    That is ``"cuda"`` on a CUDA build (also one without a visible GPU, and on CPU-only
+    builds, so that an int keeps meaning a CUDA index as in ``DistributedDataParallel``),
+    ``"xpu"`` on an XPU build, and so on.
+    """
+    current = torch.accelerator.current_accelerator()
+    return "cuda" if current is None else str(current.type)
+
+
+@overload
+def resolve_device(device: DeviceLike, *, argument: str = ...) -> torch.device: ...
+@overload
+def resolve_device(device: None, *, argument: str = ...) -> None: ...
+def resolve_device(device: DeviceLike | None, *, argument: str = "device") -> torch.device | None:
+    """Turn a device argument into a ``torch.device`` (``None`` stays ``None``).
+
+    An ``int`` is an index of the current accelerator type (:func:`accelerator_type`: CUDA on
+    a CUDA build), as in ``torch.device(0)``.
+
+    Args:
+        device: A ``torch.device``, a string such as ``"cuda:0"``, an int index, or ``None``.
+        argument: The argument name used in error messages.
+
+    Returns:
+        The device, or ``None``.
+
+    Raises:
+        TypeError: If ``device`` is not a ``torch.device``, string, int or ``None``.
+        ValueError: If the string does not name a device, or the index is negative.
+    """
+    if device is None or isinstance(device, torch.device):
+        return device
+    if isinstance(device, bool) or not isinstance(device, str | int):
+        raise TypeError(
+            f"{argument} must be a torch.device, a string such as 'cuda:0', or an int index of "
+            f"the current accelerator, got {type(device).__name__} ({device!r})"
+        )
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"{argument} index must be >= 0, got {device}; use e.g. 0")
+        return torch.device(accelerator_type(), device)
+    try:
+        return torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(
+            f"{argument}={device!r} is not a device string; use e.g. 'cpu', 'cuda' or 'cuda:1'"
+        ) from error
+
+
+def require_device_index(device: torch.device, *, caller: str, argument: str = "device") -> None:
+    """Refuse an accelerator device without an index (``"cuda"``): each rank needs its own.
+
+    Args:
+        device: A resolved device.
+        caller: The public function named in the message.
+        argument: The argument named in the message.
+
+    Raises:
+        ValueError: If ``device`` is an accelerator device with no index.
+    """
+    if device.type not in ("cpu", "meta") and device.index is None:
+        raise ValueError(
+            f"{caller} requires a concrete local device index: {argument} must be a concrete "
+            f"{device.type.upper()} device such as '{device.type}:0' (this rank's device, "
+            f"usually {device.type}:LOCAL_RANK), got {str(device)!r}"
+        )

@@ -1,0 +1,51 @@
+"""Process-group facts every stage needs: is there a group, this rank, rank-0 logging."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    """Whether the default process group is initialized in this process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def require_process_group(caller: str, *, instead: str = "") -> None:
+    """Raise unless the default process group is initialized.
+
+    Args:
+        caller: The public function named in the message, e.g. ``"wrap_module_ddp"``.
+        instead: An alternative to suggest, appended to the message (``"or use source='local'"``).
+
+    Raises:
+        RuntimeError: ``"<caller> requires an initialized process group; ..."``.
+    """
+    if not is_distributed():
+        tail = f", {instead}" if instead else ""
+        raise RuntimeError(
+            f"{caller} requires an initialized process group; call "
+            "torch.distributed.init_process_group() (e.g. under torchrun) first" + tail
+        )
+
+
+def rank() -> int:
+    """This process's rank in the default group; ``0`` without a group."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    """The default group's size; ``1`` without a group."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def log_rank0(logger: logging.Logger, level: int, message: str, *args: Any) -> None:
+    """Log once per job: on rank 0 of the default group (or in a process without a group).
+
+    Every stage logs its one summary line through this, so a 64-rank job prints it once.
+    Arguments are formatted lazily, as with ``logger.log``.
+    """
+    if rank() == 0:
+        logger.log(level, message, *args)

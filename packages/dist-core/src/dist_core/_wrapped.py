@@ -1,0 +1,75 @@
+"""What a model is wrapped in: the strategy it runs under, and the bare module inside."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+Strategy = Literal["ddp", "fsdp", "none"]
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s ``OptimizedModule`` (without importing dynamo)."""
+    return type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules
+
+
+def _fsdp1_class() -> type[nn.Module] | None:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - builds without distributed support
+        return None
+    return FullyShardedDataParallel
+
+
+def unwrap_model(module: nn.Module) -> nn.Module:
+    """Peel every layer of DDP, ``DataParallel``, ``torch.compile`` and FSDP1, in any nesting.
+
+    FSDP2 (``fully_shard``) wraps nothing: the sharded model is its own innermost module.
+
+    Args:
+        module: A model in any nesting of those wrappers.
+
+    Returns:
+        The innermost module.
+    """
+    fsdp1 = _fsdp1_class()
+    while True:
+        if isinstance(module, DistributedDataParallel | DataParallel):
+            module = module.module
+        elif is_compiled(module):
+            module = module._modules["_orig_mod"]  # type: ignore[assignment]
+        elif fsdp1 is not None and isinstance(module, fsdp1):
+            module = module.module  # type: ignore[assignment]
+        else:
+            return module
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    """Every FSDP2 module in ``model`` (the root too), outermost first; empty if none."""
+    return [m for m in unwrap_model(model).modules() if isinstance(m, FSDPModule)]
+
+
+def strategy_of(model: nn.Module) -> Strategy:
+    """The data-parallel strategy ``model`` runs under.
+
+    Args:
+        model: A plain module, a DDP wrapper (any subclass), an FSDP2 model, or any of them
+            under ``torch.compile``.
+
+    Returns:
+        ``"ddp"``, ``"fsdp"`` (FSDP2 ``fully_shard`` anywhere in the model, or FSDP1), or
+        ``"none"``.
+    """
+    while is_compiled(model):
+        model = model._modules["_orig_mod"]  # type: ignore[assignment]
+    if isinstance(model, DistributedDataParallel):
+        return "ddp"
+    fsdp1 = _fsdp1_class()
+    if fsdp1 is not None and isinstance(model, fsdp1):
+        return "fsdp"
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "fsdp"
+    return "none"

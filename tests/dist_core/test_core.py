@@ -1,0 +1,165 @@
+"""dist-core: the shared rules, tested on a one-rank gloo group where a group is needed."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from dist_core import (
+    check_forward_methods,
+    check_wrap_preconditions,
+    fsdp_modules,
+    log_rank0,
+    rank,
+    require_device_index,
+    resolve_device,
+    strategy_of,
+    unwrap_model,
+    world_size,
+)
+from dist_harness import fresh_interpreter
+
+
+class Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.count = 3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+    def sample(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)
+
+
+class TestResolveDevice:
+    def test_forms(self) -> None:
+        assert resolve_device(None) is None
+        assert resolve_device("cpu") == torch.device("cpu")
+        cuda = torch.device("cuda", 1)
+        assert resolve_device(cuda) is cuda
+        # An int is an index of the current accelerator: CUDA on this (CPU-only) build, as in
+        # torch.device(1) and DistributedDataParallel(device_ids=[1]).
+        assert resolve_device(1) == torch.device("cuda", 1)
+
+    @pytest.mark.parametrize(
+        ("device", "error", "match"),
+        [
+            (1.5, TypeError, r"device must be a torch.device, .* got float \(1.5\)"),
+            (True, TypeError, "got bool"),
+            (-1, ValueError, "device index must be >= 0, got -1"),
+            ("gpu0", ValueError, "device='gpu0' is not a device string"),
+        ],
+    )
+    def test_bad(self, device: object, error: type[Exception], match: str) -> None:
+        with pytest.raises(error, match=match):
+            resolve_device(device)  # type: ignore[arg-type]
+
+    def test_argument_is_named(self) -> None:
+        with pytest.raises(TypeError, match="^target must be"):
+            resolve_device([0], argument="target")  # type: ignore[arg-type]
+
+    def test_concrete_index(self) -> None:
+        require_device_index(torch.device("cuda", 0), caller="f")
+        require_device_index(torch.device("cpu"), caller="f")
+        with pytest.raises(ValueError, match="f requires a concrete local device index: .*'cuda'"):
+            require_device_index(torch.device("cuda"), caller="f")
+
+
+class TestForwardMethods:
+    def test_valid(self) -> None:
+        assert check_forward_methods(Two(), ["sample"]) == ("sample",)
+        assert check_forward_methods(Two(), iter(())) == ()
+
+    @pytest.mark.parametrize(
+        ("name", "error", "match"),
+        [
+            (3, TypeError, "names must be strings, got int"),
+            ("count", TypeError, "Two.count is a int, not a method"),
+            ("blocks", TypeError, "Two.blocks is a ModuleList, not a method"),
+            ("nope", AttributeError, "Two has no attribute 'nope'"),
+            ("forward", ValueError, "name a method other than forward"),
+            ("state_dict", ValueError, "W has its own 'state_dict'"),
+        ],
+    )
+    def test_one_type_per_mistake(self, name: object, error: type[Exception], match: str) -> None:
+        with pytest.raises(error, match=match):
+            check_forward_methods(Two(), [name], reserved={"state_dict"}, wrapper="W")
+
+
+def test_no_process_group_messages() -> None:
+    out = fresh_interpreter(
+        """
+        import torch
+        from dist_core import check_wrap_preconditions, rank, world_size
+        print(rank(), world_size())
+        try:
+            check_wrap_preconditions(torch.nn.Linear(2, 2), "cpu", wrapper="my_wrap")
+        except RuntimeError as error:
+            print(error)
+        """
+    )
+    first, second = out.splitlines()[:2]
+    assert first == "0 1"
+    assert second.startswith("my_wrap requires an initialized process group; call ")
+
+
+@pytest.mark.usefixtures("process_group")
+class TestWithGroup:
+    def test_rank_and_size(self) -> None:
+        assert (rank(), world_size()) == (0, 1)
+
+    def test_preconditions_order(self) -> None:
+        with pytest.raises(TypeError, match="w needs an nn.Module, got str"):
+            check_wrap_preconditions("model", "cpu", wrapper="w")
+        frozen = nn.Linear(2, 2).requires_grad_(False)
+        with pytest.raises(ValueError, match="w needs at least one parameter"):
+            check_wrap_preconditions(frozen, "cuda", wrapper="w")
+        with pytest.raises(ValueError, match="requires a concrete local device index"):
+            check_wrap_preconditions(nn.Linear(2, 2), "cuda", wrapper="w")
+        with pytest.raises(ValueError, match="parameter 'weight' of Linear is on cpu"):
+            check_wrap_preconditions(nn.Linear(2, 2), "meta", wrapper="w")
+        assert check_wrap_preconditions(nn.Linear(2, 2), "cpu", wrapper="w").type == "cpu"
+
+    # Importing dynamo for torch.compile warns about torch.jit in torch 2.13.
+    @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+    def test_strategy_of_and_unwrap(self) -> None:
+        plain = Two()
+        assert strategy_of(plain) == "none"
+        assert unwrap_model(plain) is plain
+        assert fsdp_modules(plain) == []
+
+        ddp = DistributedDataParallel(Two())
+        assert strategy_of(ddp) == "ddp"
+        assert unwrap_model(ddp) is ddp.module
+        compiled = torch.compile(
+            ddp, backend="eager"
+        )  # the wrapper only; nothing is compiled until called
+        assert strategy_of(compiled) == "ddp"  # type: ignore[arg-type]
+        assert unwrap_model(compiled) is ddp.module  # type: ignore[arg-type]
+
+        sharded = Two()
+        fully_shard(sharded.blocks[0])
+        fully_shard(sharded)
+        assert strategy_of(sharded) == "fsdp"
+        assert unwrap_model(sharded) is sharded
+        assert fsdp_modules(sharded) == [sharded, sharded.blocks[0]]
+
+        inner = Two()
+        fully_shard(inner.blocks[1])  # sharded below the root only: still FSDP
+        assert strategy_of(inner) == "fsdp"
+
+
+def test_log_rank0_logs_without_group(caplog: pytest.LogCaptureFixture) -> None:
+    logger = logging.getLogger("dist_core.test")
+    with caplog.at_level(logging.INFO, logger="dist_core.test"):
+        log_rank0(logger, logging.INFO, "hello %s", "there")
+    assert [r.getMessage() for r in caplog.records] == ["hello there"]
