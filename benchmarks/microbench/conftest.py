@@ -33,6 +33,9 @@ TARGETS = {
     "ddp-wrap: training step": 1.03,
     "ddp-wrap: wrap vs DDP construction": 1.10,
     "replica-init: build vs bare recipe": 1.05,
+    "grad-sync: DDP micro-step in no_sync": 1.02,
+    "grad-sync: FSDP micro-step in no_sync": 1.02,
+    "grad-sync: clip_grad_norm": 1.10,
 }
 RESULTS = Path(__file__).resolve().parents[2] / "bench-results" / "microbench-ratios.json"
 

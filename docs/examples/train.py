@@ -4,16 +4,20 @@ Run it on CPU with two gloo ranks:
 
     torchrun --nproc-per-node 2 docs/examples/train.py --strategy ddp
     torchrun --nproc-per-node 2 docs/examples/train.py --strategy fsdp --steps 5
+    torchrun --nproc-per-node 2 docs/examples/train.py --strategy fsdp --grad-accum 4 --clip 1.0
 
 On a GPU host it uses NCCL and one GPU per rank. It builds the model with ``prepare_model``
 (identical replicas, verified), freezes the encoder with a trainable policy, trains a few
 steps of SGD on per-rank data, and prints the loss and a fingerprint of the full weights from
-rank 0: the same for both strategies.
+rank 0: the same for both strategies, and the same with or without gradient accumulation
+(``--grad-accum K`` splits each rank's batch into K micro-batches; grad-sync's ``no_sync``
+skips the reduction on all but the last, ``clip_grad_norm`` clips the whole model's norm).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 
@@ -21,7 +25,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed_strategy import derive_seed, prepare_model, unwrap_model
+from distributed_strategy import (
+    clip_grad_norm,
+    derive_seed,
+    no_sync,
+    prepare_model,
+    unwrap_model,
+)
 
 
 class Block(nn.Module):
@@ -71,15 +81,23 @@ def main() -> None:
     parser.add_argument("--strategy", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--batch-size", type=int, default=8, help="per rank per optimizer step")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--clip", type=float, default=None, help="max gradient norm")
     args = parser.parse_args()
+    if args.grad_accum < 1 or args.batch_size % args.grad_accum:
+        parser.error("--grad-accum must be >= 1 and divide --batch-size")
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, local_rank = dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
+    if cuda:  # the device first, then the group bound to it (as torch recommends)
         torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
     try:
         model = prepare_model(
             TinyNet,
@@ -94,14 +112,25 @@ def main() -> None:
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
         data = torch.Generator().manual_seed(derive_seed(args.seed, "data", rank))
         for step in range(args.steps):
-            x = torch.randn(8, 32, generator=data).to(device)
-            y = x.sum(dim=1, keepdim=True).div(32).to(device)
-            loss = model.loss(x, y)
-            loss.backward()
+            x = torch.randn(args.batch_size, 32, generator=data).to(device)
+            y = x.sum(dim=1, keepdim=True).div(32)
+            micro = list(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum), strict=True))
+            total = 0.0
+            for index, (xs, ys) in enumerate(micro):
+                last = index == len(micro) - 1
+                # All micro-steps but the last skip the gradient reduction (DDP or FSDP alike);
+                # forward and backward both run inside the block.
+                with contextlib.nullcontext() if last else no_sync(model):
+                    loss = model.loss(xs, ys) / args.grad_accum
+                    loss.backward()
+                total += loss.item()
+            if args.clip is not None:
+                norm = clip_grad_norm(model, args.clip)  # the same value on every rank
             optimizer.step()
             optimizer.zero_grad()
             if rank == 0:
-                print(f"step {step}: loss {loss.item():.6f}")
+                clipped = f", grad norm {norm.item():.6f}" if args.clip is not None else ""
+                print(f"step {step}: loss {total:.6f}{clipped}")
         full = {
             name: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             for name, tensor in unwrap_model(model).state_dict().items()

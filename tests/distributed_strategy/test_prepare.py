@@ -33,13 +33,15 @@ def test_reexports_every_public_name() -> None:
     import ddp_wrap
     import dist_core
     import fsdp_wrap
+    import grad_sync
     import replica_init
     import rng_fork
     import strategy_config
 
     exported = set(distributed_strategy.__all__)
     assert REFERENCE_ALL <= exported
-    for piece in (dist_core, ddp_wrap, fsdp_wrap, replica_init, rng_fork, strategy_config):
+    pieces = (dist_core, ddp_wrap, fsdp_wrap, grad_sync, replica_init, rng_fork, strategy_config)
+    for piece in pieces:
         for name in piece.__all__:
             assert name in exported, f"{piece.__name__}.{name}"
             # One owner per name: every piece that exports it exports the same object.

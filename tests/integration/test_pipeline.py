@@ -97,7 +97,7 @@ def test_uninitialized_process_group() -> None:
 def test_example_trainer_under_torchrun() -> None:
     """The documented example: both strategies end at the same weights."""
     sums = {}
-    for strategy in ("ddp", "fsdp"):
+    for strategy, accum in (("ddp", "1"), ("fsdp", "1"), ("ddp", "4"), ("fsdp", "4")):
         result = subprocess.run(
             [
                 sys.executable,
@@ -111,6 +111,10 @@ def test_example_trainer_under_torchrun() -> None:
                 strategy,
                 "--steps",
                 "2",
+                "--grad-accum",
+                accum,
+                "--clip",
+                "0.5",
             ],
             capture_output=True,
             text=True,
@@ -121,5 +125,11 @@ def test_example_trainer_under_torchrun() -> None:
         assert result.returncode == 0, result.stderr[-3000:]
         lines = [line for line in result.stdout.splitlines() if "final weight sum" in line]
         assert len(lines) == 1, result.stdout
-        sums[strategy] = float(lines[0].rsplit(" ", 1)[1])
-    assert sums["ddp"] == pytest.approx(sums["fsdp"], rel=1e-6)
+        sums[strategy, accum] = float(lines[0].rsplit(" ", 1)[1])
+        norms = [line for line in result.stdout.splitlines() if "grad norm" in line]
+        assert len(norms) == 2, result.stdout
+    # Same weights for both strategies, with and without accumulation (grad-sync's no_sync
+    # and clip_grad_norm), to fp tolerance.
+    expected = sums["ddp", "1"]
+    for key, value in sums.items():
+        assert value == pytest.approx(expected, rel=1e-6), key

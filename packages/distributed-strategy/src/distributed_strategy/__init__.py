@@ -1,7 +1,7 @@
 """The composed import: config to a DDP- or FSDP-wrapped model with verified replicas.
 
-Re-exports every public name of strategy-config, dist-core, rng-fork, replica-init, ddp-wrap
-and fsdp-wrap, including the reference module's ``__all__``.
+Re-exports every public name of strategy-config, dist-core, rng-fork, replica-init, ddp-wrap,
+fsdp-wrap and grad-sync, including the reference module's ``__all__``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from fsdp_wrap import (
     torch_dtype,
     wrap_module_fsdp,
 )
+from grad_sync import clip_grad_norm, no_sync
 from replica_init import (
     ReplicaMismatchError,
     assert_replicas_identical,
@@ -92,6 +93,7 @@ __all__ = [
     "capture_rng_state",
     "check_forward_methods",
     "check_wrap_preconditions",
+    "clip_grad_norm",
     "derive_seed",
     "did_you_mean",
     "fork_model_rng",
@@ -105,6 +107,7 @@ __all__ = [
     "mark_forward_method",
     "mixed_precision_policy",
     "model_fingerprint",
+    "no_sync",
     "normalize_distributed_strategy",
     "normalize_dtype_name",
     "prepare_model",

@@ -1,0 +1,224 @@
+"""Rank bodies for the grad-sync tests (spawned children import them by name)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from grad_sync import clip_grad_norm, no_sync
+
+K = 3  # micro-steps per optimizer step
+BATCH = 4  # samples per rank per micro-step
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return Blocks()
+
+
+def batches(rank: int, step: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s K micro-batches of optimizer step ``step``: different on every rank."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randn(BATCH, 6, generator=generator) for _ in range(K)]
+
+
+def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    return (out - 1.0).pow(2).mean()
+
+
+def reference_grads(model: nn.Module, world_size: int, step: int) -> dict[str, torch.Tensor]:
+    """One process, one backward on the concatenated global batch of the step."""
+    plain = copy.deepcopy(model)
+    plain.zero_grad(set_to_none=True)
+    every = torch.cat([x for rank in range(world_size) for x in batches(rank, step)])
+    loss_fn(plain(every)).backward()
+    return {name: p.grad.clone() for name, p in plain.named_parameters()}
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def accumulate(model: nn.Module, rank: int, step: int, sent: Any) -> list[int]:
+    """K micro-steps, no_sync on all but the last; the collectives counted after each."""
+    counts = []
+    for index, x in enumerate(batches(rank, step)):
+        if index < K - 1:
+            with no_sync(model):
+                (loss_fn(model(x)) / K).backward()
+        else:
+            (loss_fn(model(x)) / K).backward()
+        counts.append(sent())
+    return counts
+
+
+def grads_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    return {n: full(p.grad).clone() for n, p in inner.named_parameters()}
+
+
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def ddp_accumulation(rank: int, world_size: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Two optimizer steps under DDP with ``options``; reduction calls counted by a comm hook."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch 2.13: broadcast_buffers
+        model = DistributedDataParallel(build(), broadcast_buffers=False, **options)
+    calls = [0]
+
+    # No annotations: DDP checks them, and this module's are strings (PEP 563).
+    def counting_hook(_state, bucket):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        work = dist.all_reduce(bucket.buffer(), async_op=True)
+        assert work is not None
+        return work.get_future().then(lambda f: f.value()[0] / world_size)
+
+    model.register_comm_hook(None, counting_hook)
+    out: dict[str, Any] = {"counts": [], "match": []}
+    for step in range(2):
+        expected = reference_grads(model.module, world_size, step)
+        out["counts"].append(accumulate(model, rank, step, lambda: calls[0]))
+        out["match"].append(close(grads_of(model), expected))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.1 * p.grad)
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+def ddp_forward_outside(rank: int, world_size: int) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = DistributedDataParallel(build(), broadcast_buffers=False)
+    x = batches(rank, 0)[0]
+    with no_sync(model):  # a correct micro-step first
+        loss_fn(model(x)).backward()
+    loss = loss_fn(model(x))  # forward outside: DDP will reduce in this backward
+    try:
+        with no_sync(model):
+            loss.backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def fsdp_accumulation(rank: int, world_size: int) -> dict[str, Any]:
+    """Two optimizer steps under FSDP2; collectives counted with torch's CommDebugMode."""
+    model = build()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    out: dict[str, Any] = {"counts": [], "match": [], "restored": None}
+    reference_model = build()
+    calls = _count_reduce_scatters()
+    for step in range(2):
+        expected = reference_grads(reference_model, world_size, step)
+        out["counts"].append(accumulate(model, rank, step, lambda: calls[0]))
+        out["match"].append(close(grads_of(model), expected))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.1 * p.grad)
+            step_of = expected_by_param(reference_model, expected)
+            for p in reference_model.parameters():
+                p.sub_(0.1 * step_of[p])
+        model.zero_grad(set_to_none=True)
+    try:
+        with no_sync(model):
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    out["restored"] = [_requires_sync(m) for m in model.modules() if hasattr(m, "reshard")]
+    return out
+
+
+def expected_by_param(model: nn.Module, grads: dict[str, torch.Tensor]) -> dict[Any, torch.Tensor]:
+    return {p: grads[n] for n, p in model.named_parameters()}
+
+
+def _count_reduce_scatters() -> list[int]:
+    """Count FSDP2's gradient reduce-scatters (this rank process only; it ends after the test)."""
+    calls = [0]
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):  # 2.13, older torch
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def counted(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+    return calls
+
+
+def _requires_sync(module: nn.Module) -> bool:
+    from grad_sync import _compat
+
+    return _compat.requires_gradient_sync(module)  # type: ignore[arg-type]
+
+
+def clip_norms(rank: int, world_size: int) -> dict[str, Any]:
+    """clip_grad_norm under DDP, FSDP2 and (on each rank) one process with the global batch."""
+    out: dict[str, Any] = {}
+    for norm_type in (2.0, math.inf):
+        key = "inf" if math.isinf(norm_type) else "2"
+        single = build()
+        every = torch.cat([x for r in range(world_size) for x in batches(r, 0)])
+        loss_fn(single(every)).backward()
+        out[f"single_{key}"] = float(clip_grad_norm(single, 0.05, norm_type))
+        clipped = {n: p.grad.clone() for n, p in single.named_parameters()}
+        for strategy in ("ddp", "fsdp"):
+            model = _wrapped(strategy)
+            for x in batches(rank, 0):
+                (loss_fn(model(x)) / K).backward()
+            total = clip_grad_norm(model, 0.05, norm_type)
+            out[f"{strategy}_{key}"] = float(total)
+            out[f"{strategy}_{key}_clipped"] = close(grads_of(model), clipped)
+    return out
+
+
+def _wrapped(strategy: str) -> nn.Module:
+    model = build()
+    if strategy == "ddp":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return DistributedDataParallel(model, broadcast_buffers=False)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def everything(rank: int, world_size: int) -> dict[str, Any]:
+    """All multi-rank grad-sync checks in one spawned run (one process group)."""
+    return {
+        "ddp": ddp_accumulation(rank, world_size, {}),
+        "ddp_bucket_view": ddp_accumulation(rank, world_size, {"gradient_as_bucket_view": True}),
+        "ddp_static": ddp_accumulation(rank, world_size, {"static_graph": True}),
+        "ddp_outside": ddp_forward_outside(rank, world_size),
+        "fsdp": fsdp_accumulation(rank, world_size),
+        "clip": clip_norms(rank, world_size),
+    }

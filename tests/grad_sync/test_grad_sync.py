@@ -1,0 +1,139 @@
+"""grad-sync: accumulation and clipping under DDP, FSDP2 and one process."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import grad_sync_workers as workers
+from dist_harness import run_ranks
+from grad_sync import clip_grad_norm, no_sync
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, object]]:
+    """Every multi-rank check, run once on 2 gloo ranks with different data per rank."""
+    return run_ranks(workers.everything)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["ddp", "ddp_bucket_view", "ddp_static"])
+def test_ddp_accumulation_equals_the_global_batch(
+    two_ranks: list[dict[str, object]], variant: str
+) -> None:
+    for rank in two_ranks:
+        result = rank[variant]
+        assert result["match"] == [True, True]  # both optimizer steps, on every rank
+    counts = two_ranks[0][variant]["counts"]
+    if variant == "ddp_static":
+        # static_graph: DDP's very first forward-backward synchronises (DDP records its
+        # graph there; a no_sync there fails inside torch); after it, micro-steps send nothing.
+        assert counts == [[1, 1, 2], [2, 2, 3]]
+    else:
+        assert counts == [[0, 0, 1], [1, 1, 2]]  # one bucket, reduced once per optimizer step
+
+
+@pytest.mark.multiprocess
+def test_forward_outside_backward_inside_is_refused(two_ranks: list[dict[str, object]]) -> None:
+    for rank in two_ranks:
+        message = rank["ddp_outside"]
+        assert isinstance(message, str)
+        assert message.startswith("no_sync(model) did not take effect")
+        assert "run the forward and the backward inside the context" in message
+
+
+@pytest.mark.multiprocess
+def test_fsdp_accumulation_equals_the_global_batch(two_ranks: list[dict[str, object]]) -> None:
+    for rank in two_ranks:
+        result = rank["fsdp"]
+        assert result["match"] == [True, True]
+        # 3 FSDP units (2 blocks and the root): 3 reduce-scatters, only on the last micro-step.
+        assert result["counts"] == [[0, 0, 3], [3, 3, 6]]
+        assert result["restored"] == [True, True, True]  # also after an exception
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("norm", ["2", "inf"])
+def test_clip_norm_is_the_same_everywhere(two_ranks: list[dict[str, object]], norm: str) -> None:
+    expected = two_ranks[0]["clip"][f"single_{norm}"]
+    for rank in two_ranks:
+        clip = rank["clip"]
+        for strategy in ("ddp", "fsdp"):
+            assert clip[f"{strategy}_{norm}"] == pytest.approx(expected, rel=1e-5)
+            assert clip[f"{strategy}_{norm}_clipped"] is True
+    assert expected > 0.05  # so clipping really changed the gradients
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _backward(model: nn.Module, scale: float = 1.0) -> None:
+    (model(torch.randn(5, 4, generator=torch.Generator().manual_seed(1))) * scale).sum().backward()
+
+
+class TestSingleProcess:
+    def test_no_sync_on_a_plain_module_is_a_no_op(self) -> None:
+        model = _net()
+        with no_sync(model):
+            _backward(model)
+        assert all(p.grad is not None for p in model.parameters())
+
+    @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf, "inf"])
+    def test_matches_torch(self, norm_type: float) -> None:
+        ours, theirs = _net(), _net()
+        _backward(ours)
+        _backward(theirs)
+        total = clip_grad_norm(ours, 0.1, norm_type)
+        p = math.inf if norm_type == "inf" else norm_type
+        expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.1, p)
+        torch.testing.assert_close(total, expected)
+        for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad)
+
+    def test_frozen_and_gradless_parameters_are_skipped(self) -> None:
+        model = _net()
+        model[0].requires_grad_(False)
+        _backward(model)
+        assert clip_grad_norm(model, 1e9).item() > 0
+        assert clip_grad_norm(_net(), 1.0).item() == 0.0  # no gradient at all
+
+    def test_nonfinite(self) -> None:
+        model = _net()
+        _backward(model, scale=float("inf"))
+        assert not torch.isfinite(clip_grad_norm(model, 1.0))
+        with pytest.raises(RuntimeError, match="is non-finite"):
+            clip_grad_norm(model, 1.0, error_if_nonfinite=True)
+
+    @pytest.mark.parametrize(
+        ("kwargs", "error", "match"),
+        [
+            ({"max_norm": 0.0}, ValueError, "max_norm must be a positive number, got 0.0"),
+            ({"max_norm": True}, ValueError, "max_norm must be a positive number, got True"),
+            ({"norm_type": -1.0}, ValueError, "norm_type must be a positive number or 'inf'"),
+            ({"norm_type": "two"}, ValueError, "got 'two'"),
+        ],
+    )
+    def test_bad_arguments(self, kwargs: dict[str, object], error: type, match: str) -> None:
+        args: dict[str, object] = {"max_norm": 1.0, **kwargs}
+        with pytest.raises(error, match=match):
+            clip_grad_norm(_net(), **args)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="clip_grad_norm needs an nn.Module, got list"):
+            clip_grad_norm([], 1.0)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("process_group")
+def test_ddp_one_rank_restores_sync_on_exception() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = DistributedDataParallel(_net(), broadcast_buffers=False)
+    with pytest.raises(KeyError), no_sync(model):
+        assert model.require_backward_grad_sync is False
+        raise KeyError("boom")
+    assert model.require_backward_grad_sync is True
