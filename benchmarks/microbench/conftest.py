@@ -36,6 +36,8 @@ TARGETS = {
     "grad-sync: DDP micro-step in no_sync": 1.02,
     "grad-sync: FSDP micro-step in no_sync": 1.02,
     "grad-sync: clip_grad_norm": 1.10,
+    "checkpoint-io: save vs get_state_dict + dcp.save": 1.10,
+    "checkpoint-io: load vs dcp.load + set_state_dict": 1.10,
 }
 RESULTS = Path(__file__).resolve().parents[2] / "bench-results" / "microbench-ratios.json"
 
@@ -74,6 +76,12 @@ class Paired:
         if len(sides) == 2:
             _INTERLEAVED[self.group] = _interleave(sides)
         return result
+
+    def rename(self, group: str) -> None:
+        """Record this case under another group (for a parametrized case)."""
+        self.group = group
+        self.benchmark.group = group
+        self.benchmark.name = f"{group} [{self.side}]"
 
     def note(self, **values: Any) -> None:
         """Extra figures for the summary (e.g. throughput)."""

@@ -6,9 +6,14 @@ Run it on CPU with two gloo ranks:
     torchrun --nproc-per-node 2 docs/examples/train.py --strategy fsdp --steps 5
     torchrun --nproc-per-node 2 docs/examples/train.py --strategy fsdp --grad-accum 4 --clip 1.0
 
+Stop anywhere and resume anywhere (checkpoint-io): save under DDP, resume under FSDP.
+
+    torchrun --nproc-per-node 2 docs/examples/train.py --strategy ddp --steps 2 --save ckpt
+    torchrun --nproc-per-node 2 docs/examples/train.py --strategy fsdp --steps 4 --resume ckpt
+
 On a GPU host it uses NCCL and one GPU per rank. It builds the model with ``prepare_model``
 (identical replicas, verified), freezes the encoder with a trainable policy, trains a few
-steps of SGD on per-rank data, and prints the loss and a fingerprint of the full weights from
+steps of AdamW on per-rank data, and prints the loss and a fingerprint of the full weights from
 rank 0: the same for both strategies, and the same with or without gradient accumulation
 (``--grad-accum K`` splits each rank's batch into K micro-batches; grad-sync's ``no_sync``
 skips the reduction on all but the last, ``clip_grad_norm`` clips the whole model's norm).
@@ -28,9 +33,11 @@ from torch import nn
 from distributed_strategy import (
     clip_grad_norm,
     derive_seed,
+    full_state_dict,
+    load_checkpoint,
     no_sync,
     prepare_model,
-    unwrap_model,
+    save_checkpoint,
 )
 
 
@@ -84,6 +91,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="per rank per optimizer step")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--clip", type=float, default=None, help="max gradient norm")
+    parser.add_argument("--save", default=None, help="checkpoint directory to write at the end")
+    parser.add_argument("--resume", default=None, help="checkpoint directory to resume from")
     args = parser.parse_args()
     if args.grad_accum < 1 or args.batch_size % args.grad_accum:
         parser.error("--grad-accum must be >= 1 and divide --batch-size")
@@ -109,9 +118,13 @@ def main() -> None:
             trainable=freeze_encoder,
             forward_methods=["loss"],
         )
-        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
-        data = torch.Generator().manual_seed(derive_seed(args.seed, "data", rank))
-        for step in range(args.steps):
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+        first = 0
+        if args.resume:  # any strategy, any world size: DCP reshards
+            first = load_checkpoint(args.resume, model, optimizer).step or 0
+        for step in range(first, args.steps):
+            # The data of a step depends only on (seed, rank, step): a resumed run sees the same.
+            data = torch.Generator().manual_seed(derive_seed(args.seed, "data", rank, step))
             x = torch.randn(args.batch_size, 32, generator=data).to(device)
             y = x.sum(dim=1, keepdim=True).div(32)
             micro = list(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum), strict=True))
@@ -131,10 +144,9 @@ def main() -> None:
             if rank == 0:
                 clipped = f", grad norm {norm.item():.6f}" if args.clip is not None else ""
                 print(f"step {step}: loss {total:.6f}{clipped}")
-        full = {
-            name: tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            for name, tensor in unwrap_model(model).state_dict().items()
-        }
+        if args.save:
+            save_checkpoint(args.save, model, optimizer, step=args.steps, overwrite=True)
+        full = full_state_dict(model)  # plain CPU tensors on rank 0, under either strategy
         if rank == 0:
             total = sum(float(t.double().sum()) for t in full.values())
             print(f"{args.strategy}: final weight sum {total:.6f}")

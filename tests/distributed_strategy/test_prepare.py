@@ -30,6 +30,7 @@ REFERENCE_ALL = {
 
 
 def test_reexports_every_public_name() -> None:
+    import checkpoint_io
     import ddp_wrap
     import dist_core
     import fsdp_wrap
@@ -40,7 +41,16 @@ def test_reexports_every_public_name() -> None:
 
     exported = set(distributed_strategy.__all__)
     assert REFERENCE_ALL <= exported
-    pieces = (dist_core, ddp_wrap, fsdp_wrap, grad_sync, replica_init, rng_fork, strategy_config)
+    pieces = (
+        dist_core,
+        ddp_wrap,
+        fsdp_wrap,
+        grad_sync,
+        checkpoint_io,
+        replica_init,
+        rng_fork,
+        strategy_config,
+    )
     for piece in pieces:
         for name in piece.__all__:
             assert name in exported, f"{piece.__name__}.{name}"

@@ -94,42 +94,47 @@ def test_uninitialized_process_group() -> None:
 
 
 @pytest.mark.multiprocess
-def test_example_trainer_under_torchrun() -> None:
-    """The documented example: both strategies end at the same weights."""
-    sums = {}
-    for strategy, accum in (("ddp", "1"), ("fsdp", "1"), ("ddp", "4"), ("fsdp", "4")):
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                "2",
-                str(ROOT / "docs" / "examples" / "train.py"),
-                "--strategy",
-                strategy,
-                "--steps",
-                "2",
-                "--grad-accum",
-                accum,
-                "--clip",
-                "0.5",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            check=False,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        lines = [line for line in result.stdout.splitlines() if "final weight sum" in line]
-        assert len(lines) == 1, result.stdout
-        sums[strategy, accum] = float(lines[0].rsplit(" ", 1)[1])
-        norms = [line for line in result.stdout.splitlines() if "grad norm" in line]
-        assert len(norms) == 2, result.stdout
-    # Same weights for both strategies, with and without accumulation (grad-sync's no_sync
-    # and clip_grad_norm), to fp tolerance.
-    expected = sums["ddp", "1"]
-    for key, value in sums.items():
-        assert value == pytest.approx(expected, rel=1e-6), key
+def _example(*args: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(ROOT / "docs" / "examples" / "train.py"),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def _final_sum(result: subprocess.CompletedProcess[str]) -> float:
+    lines = [line for line in result.stdout.splitlines() if "final weight sum" in line]
+    assert len(lines) == 1, result.stdout
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+def test_example_trainer_under_torchrun(tmp_path: Path) -> None:
+    """The documented example: both strategies, with or without accumulation, stopped under
+    one strategy and resumed under the other, end at the same weights."""
+    clip = ("--clip", "0.5")
+    straight = _example("--strategy", "ddp", "--steps", "4", *clip)
+    assert len([line for line in straight.stdout.splitlines() if "grad norm" in line]) == 4
+    expected = _final_sum(straight)
+    sharded = _example("--strategy", "fsdp", "--steps", "4", "--grad-accum", "4", *clip)
+    assert _final_sum(sharded) == pytest.approx(expected, rel=1e-6)
+    # Stop under FSDP after 2 steps (accumulating), resume under DDP for steps 3 and 4.
+    ckpt = tmp_path / "ckpt"
+    first = ("--steps", "2", "--save", str(ckpt), "--grad-accum", "2", *clip)
+    _example("--strategy", "fsdp", *first)
+    resumed = _example("--strategy", "ddp", "--steps", "4", "--resume", str(ckpt), *clip)
+    assert "step 0:" not in resumed.stdout and "step 2:" in resumed.stdout
+    assert _final_sum(resumed) == pytest.approx(expected, rel=1e-6)

@@ -1,11 +1,19 @@
 """The composed import: config to a DDP- or FSDP-wrapped model with verified replicas.
 
 Re-exports every public name of strategy-config, dist-core, rng-fork, replica-init, ddp-wrap,
-fsdp-wrap and grad-sync, including the reference module's ``__all__``.
+fsdp-wrap, grad-sync and checkpoint-io, including the reference module's ``__all__``.
 """
 
 from __future__ import annotations
 
+from checkpoint_io import (
+    CheckpointError,
+    CheckpointInfo,
+    consolidate_checkpoint,
+    full_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+)
 from ddp_wrap import (
     DelegatingDistributedDataParallel,
     mark_forward_method,
@@ -45,6 +53,7 @@ from replica_init import (
     build_replicated_model,
     build_replicated_model_from_scratch,
     model_fingerprint,
+    state_fingerprint,
 )
 from rng_fork import (
     SEED_MAX,
@@ -77,6 +86,8 @@ __all__ = [
     "SEED_MAX",
     "SEED_MIN",
     "SUPPORTED_DISTRIBUTED_STRATEGIES",
+    "CheckpointError",
+    "CheckpointInfo",
     "DelegatingDistributedDataParallel",
     "DeviceLike",
     "DeviceRngState",
@@ -94,14 +105,17 @@ __all__ = [
     "check_forward_methods",
     "check_wrap_preconditions",
     "clip_grad_norm",
+    "consolidate_checkpoint",
     "derive_seed",
     "did_you_mean",
     "fork_model_rng",
     "fork_rng",
     "fsdp_modules",
+    "full_state_dict",
     "is_compiled",
     "is_ddp_strategy",
     "is_distributed",
+    "load_checkpoint",
     "load_distributed_config",
     "log_rank0",
     "mark_forward_method",
@@ -117,7 +131,9 @@ __all__ = [
     "resolve_config",
     "resolve_device",
     "restore_rng_state",
+    "save_checkpoint",
     "select_shard_targets",
+    "state_fingerprint",
     "strategy_of",
     "torch_dtype",
     "unwrap_ddp_module",

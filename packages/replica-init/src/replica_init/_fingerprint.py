@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -63,6 +63,31 @@ def model_fingerprint(module: nn.Module) -> str:
     return combine(tensor_digests(module))
 
 
+def state_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A digest of named tensors (a state dict's items): names, dtypes, shapes and bytes.
+
+    The same per-tensor digests as :func:`model_fingerprint`, over the items in the order
+    given (pass them sorted by name to compare across processes). checkpoint-io records it
+    for the full model state it saves, and checks it after a load.
+
+    Args:
+        tensors: ``(name, tensor)`` pairs; may be a generator, so that only one (gathered)
+            tensor needs to be held at a time.
+
+    Returns:
+        A hex string.
+
+    Raises:
+        ValueError: If a tensor is on the meta device.
+    """
+    return combine(
+        [
+            (f"{name}|{tensor.dtype}|{tuple(tensor.shape)}", _tensor_digest(name, tensor))
+            for name, tensor in tensors
+        ]
+    )
+
+
 def _tensor_digest(name: str, tensor: torch.Tensor) -> str:
     if tensor.is_meta:
         raise ValueError(
@@ -74,5 +99,6 @@ def _tensor_digest(name: str, tensor: torch.Tensor) -> str:
     for start in range(0, flat.numel(), CHUNK_BYTES):
         chunk = flat[start : start + CHUNK_BYTES]
         host = chunk.cpu() if chunk.device.type != "cpu" else chunk
-        digest.update(ctypes.string_at(host.data_ptr(), host.numel()))
+        # A ctypes array over the tensor's memory: hashed in place, without a bytes copy.
+        digest.update((ctypes.c_ubyte * host.numel()).from_address(host.data_ptr()))
     return digest.hexdigest()

@@ -1,0 +1,66 @@
+"""The command line: inspect a checkpoint, or consolidate it into one file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from checkpoint_io._errors import CheckpointError
+from checkpoint_io._full import consolidate_checkpoint
+from checkpoint_io._manifest import read_manifest
+
+USAGE_EXIT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_EXIT, f"checkpoint_io: error: {message}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (2 for bad input, with one line)."""
+    parser = _Parser(prog="python -m checkpoint_io", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    inspect = commands.add_parser("inspect", help="the manifest and a table of the tensors")
+    inspect.add_argument("path", type=Path)
+    consolidate = commands.add_parser("consolidate", help="one torch.save file of plain tensors")
+    consolidate.add_argument("path", type=Path)
+    consolidate.add_argument("out", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "inspect":
+            _inspect(args.path)
+        else:
+            out = consolidate_checkpoint(args.path, args.out)
+            sys.stdout.write(f"wrote {out}\n")
+    except (FileNotFoundError, CheckpointError, OSError) as error:
+        sys.stderr.write(f"checkpoint_io: error: {error}\n")
+        return USAGE_EXIT
+    return 0
+
+
+def _inspect(path: Path) -> None:
+    manifest = read_manifest(path)
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as error:
+        raise CheckpointError(f"{str(path)!r}: its DCP metadata cannot be read ({error})") from None
+    out = sys.stdout
+    out.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n\n")
+    rows = [
+        (key, "x".join(str(d) for d in storage.size) or "scalar", str(storage.properties.dtype))
+        for key, storage in sorted(metadata.state_dict_metadata.items())
+        if isinstance(storage, TensorStorageMetadata)
+    ]
+    width = max((len(r[0]) for r in rows), default=4)
+    out.write(f"{'name':<{width}}  {'shape':<16}  dtype\n")
+    for name, shape, dtype in rows:
+        out.write(f"{name:<{width}}  {shape:<16}  {dtype}\n")
+    out.write(f"{len(rows)} tensors\n")

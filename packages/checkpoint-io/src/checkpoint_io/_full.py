@@ -1,0 +1,91 @@
+"""The full model state as plain tensors, and consolidation into one ``torch.save`` file."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from checkpoint_io import _compat, _state
+from checkpoint_io._errors import CheckpointError
+from checkpoint_io._manifest import read_manifest
+from dist_core import is_distributed
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The canonical full state dict as plain CPU tensors, under any strategy (collective).
+
+    Keys are the plain model's ``state_dict()`` keys; FSDP2 shards are gathered. Use it for
+    ``save_pretrained``, evaluation and export.
+
+    Args:
+        model: Plain, DDP, FSDP2 or compiled.
+        rank0_only: Only rank 0 receives the tensors (the others get ``{}``), so the other
+            ranks need no host memory for them.
+
+    Returns:
+        ``name -> CPU tensor``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not is_distributed():
+        state = _state.model_state(model)
+    else:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+        state = get_model_state_dict(model, options=options)  # type: ignore[assignment]
+    return {k: v.detach().cpu() for k, v in state.items()}
+
+
+def consolidate_checkpoint(path: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:
+    """Write one ``torch.save`` file of plain tensors from a checkpoint (offline, one process).
+
+    The file holds ``{"model": ..., "optimizer": ..., "step": ..., "extra": ...}`` and loads
+    with ``torch.load(out_file, weights_only=True)``; ``model.load_state_dict(obj["model"])``
+    restores a plain model. ``optimizer`` is keyed by parameter name (``None`` if none was
+    saved). Written to a temporary file and renamed, so a failure leaves no partial file.
+
+    Args:
+        path: The checkpoint directory.
+        out_file: The file to write.
+
+    Returns:
+        ``out_file`` as a ``pathlib.Path``.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+        CheckpointError: If it is not a readable checkpoint.
+    """
+    root = Path(os.fspath(path))
+    manifest = read_manifest(root)
+    try:
+        everything = _compat.load_whole(root)
+    except BaseException as error:  # DCP raises CheckpointException (a BaseException)
+        if isinstance(error, KeyboardInterrupt):
+            raise
+        raise CheckpointError(f"reading {str(root)!r} failed ({error})") from None
+    optimizer = everything.get(_state.OPTIM)
+    if optimizer is not None:
+        groups = optimizer["param_groups"]
+        if isinstance(groups, io.BytesIO):
+            groups.seek(0)
+            groups = torch.load(groups, weights_only=True)
+        optimizer = {"state": optimizer.get("state", {}), "param_groups": groups}
+    result: dict[str, Any] = {
+        "model": everything.get(_state.MODEL, {}),
+        "optimizer": optimizer,
+        "step": manifest.get("step"),
+        "extra": manifest.get("extra") or {},
+    }
+    out = Path(os.fspath(out_file))
+    partial = out.with_name(f".{out.name}.partial")
+    try:
+        torch.save(result, partial)
+        partial.replace(out)
+    finally:
+        partial.unlink(missing_ok=True)
+    return out

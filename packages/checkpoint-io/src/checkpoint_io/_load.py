@@ -1,0 +1,226 @@
+"""``load_checkpoint``: into any strategy and world size, or one process; all or nothing."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from checkpoint_io import _state
+from checkpoint_io._collective import agree, single_process_quiet
+from checkpoint_io._compat import CheckpointException
+from checkpoint_io._errors import CheckpointError
+from checkpoint_io._manifest import RNG_DIR, CheckpointInfo, info_from, read_manifest
+from checkpoint_io._save import PathLike, check_stateful
+from dist_core import log_rank0, rank, strategy_of, world_size
+from rng_fork import RngState, restore_rng_state
+
+logger = logging.getLogger(__name__)
+
+
+def load_checkpoint(
+    path: PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    stateful: Mapping[str, Any] | None = None,
+    strict: bool = True,
+    rng: bool = True,
+    verify: bool = True,
+) -> CheckpointInfo:
+    """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (collective).
+
+    Works under any strategy and world size (DCP reshards), or in one process without a
+    process group. Everything is read and checked before anything is changed: on any error
+    the model, the optimizer, the stateful objects and the RNG are unchanged on every rank,
+    and every rank raises.
+
+    Args:
+        path: The checkpoint directory.
+        model: The model to load into, wrapped for this run's strategy (or plain).
+        optimizer: Its optimizer, built over the (wrapped) model's parameters; its state and
+            hyperparameters are restored. Parameters without saved state keep none.
+        stateful: Objects saved through ``save_checkpoint(stateful=...)``, by the same names.
+        strict: Refuse missing or unexpected model keys; ``False`` loads the shared keys.
+        rng: Restore the RNG states when the world size is the one that saved (rank r gets
+            rank r's state); otherwise they are left alone and a warning is logged.
+        verify: Check that the loaded model state has the fingerprint that was saved. The
+            state is then read into fresh tensors, checked, and only then copied into the
+            model, so that any failure leaves everything unchanged. ``verify=False`` reads in
+            place (no second copy of the model and optimizer state in memory, as fast as raw
+            DCP): every check that needs no data (keys, shapes, dtypes, file sizes) still runs
+            first, but an I/O error in the middle of the read itself can leave the model
+            partly loaded.
+
+    Returns:
+        What the checkpoint says about itself.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+        CheckpointError: Not a checkpoint; a newer format; missing or unexpected keys (each
+            with the closest name); a shape or dtype mismatch; an optimizer or stateful object
+            requested but not saved; a truncated or corrupt file; a failed verification.
+        TypeError: If an argument has the wrong type.
+    """
+    started = time.perf_counter()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+    check_stateful(stateful)
+    root = Path(str(path))
+    failure: BaseException | None = None
+    plan: dict[str, Any] = {}
+    try:
+        plan = _prepare(root, model, optimizer, stateful, strict=strict, rng=rng, fresh=verify)
+    except Exception as error:
+        failure = error
+    agree(failure, f"reading {str(root)!r}")
+    try:
+        with single_process_quiet():
+            dcp_load(plan["target"], checkpoint_id=str(root))
+    except CheckpointException as error:
+        raise CheckpointError(
+            f"reading {str(root)!r} failed: the checkpoint is truncated or corrupt "
+            f"({_first_line(error)})"
+        ) from None
+    manifest = plan["manifest"]
+    loaded = plan["target"][_state.MODEL]
+    if verify and plan["complete"]:
+        found = _state.fingerprint(loaded)
+        if found != manifest["fingerprint"]:
+            raise CheckpointError(
+                f"verification failed for {str(root)!r}: the loaded model state has fingerprint "
+                f"{found[:16]}, the checkpoint recorded {manifest['fingerprint'][:16]}; the files "
+                "were changed or damaged after saving. Nothing was loaded"
+            )
+    # Everything read and checked on every rank: now change the model, optimizer, RNG.
+    if verify:  # read into fresh tensors: copy them in (in place, they are the model's own)
+        set_model_state_dict(model, loaded, options=StateDictOptions(strict=strict))
+    if optimizer is not None:
+        _state.load_optimizer(model, optimizer, plan["target"][_state.OPTIM])
+    for name, obj in (stateful or {}).items():
+        obj.load_state_dict(plan["target"][_state.STATEFUL][name])
+    if plan["rng"] is not None:
+        restore_rng_state(plan["rng"])
+    info = info_from(manifest, root)
+    log_rank0(
+        logger,
+        logging.INFO,
+        "loaded %s (saved under %s on %d rank(s), step %s) into %s on %d rank(s) in %.2f s",
+        root,
+        info.strategy,
+        info.world_size,
+        info.step,
+        strategy_of(model),
+        world_size(),
+        time.perf_counter() - started,
+    )
+    return info
+
+
+def _prepare(
+    root: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    stateful: Mapping[str, Any] | None,
+    *,
+    strict: bool,
+    rng: bool,
+    fresh: bool,
+) -> dict[str, Any]:
+    """Read and check everything that can be checked before the load; build the target.
+
+    ``fresh``: the target's tensors are new (the model's are untouched until the copy);
+    otherwise they are the model's and the optimizer's own, loaded in place.
+    """
+    manifest = read_manifest(root)
+    try:
+        metadata = FileSystemReader(str(root)).read_metadata()
+    except Exception as error:
+        raise CheckpointError(
+            f"{str(root)!r} is damaged: its DCP metadata cannot be read ({_first_line(error)})"
+        ) from None
+    _state.check_files(root, metadata)
+    current = _state.model_state(model)
+    keys = _state.check_model_keys(current, metadata, strict=strict)
+    target: dict[str, Any] = {
+        _state.MODEL: {k: _state.template(current[k]) if fresh else current[k] for k in keys}
+    }
+    if optimizer is not None:
+        if not manifest.get("optimizer"):
+            raise CheckpointError(
+                f"an optimizer was passed, but {str(root)!r} was saved without one; call "
+                "load_checkpoint without optimizer=, or save with save_checkpoint(..., optimizer)"
+            )
+        target[_state.OPTIM] = _state.optimizer_template(
+            model, optimizer, metadata, strict=strict, in_place=not fresh
+        )
+    if stateful:
+        saved = set(manifest.get("stateful") or ())
+        missing = sorted(set(stateful) - saved)
+        if missing:
+            raise CheckpointError(
+                f"stateful object(s) {missing} were not saved in {str(root)!r} (it holds "
+                f"{sorted(saved)}); pass the names it was saved with"
+            )
+        target[_state.STATEFUL] = {
+            name: _state.template(obj.state_dict()) for name, obj in stateful.items()
+        }
+    return {
+        "manifest": manifest,
+        "target": target,
+        "complete": len(keys) == len(current) == len(_state.saved_entries(metadata, _state.MODEL)),
+        "rng": _rng_state(root, manifest) if rng else None,
+    }
+
+
+def _rng_state(root: Path, manifest: Mapping[str, Any]) -> RngState | None:
+    if not manifest.get("rng"):
+        return None
+    if int(manifest["world_size"]) != world_size():
+        log_rank0(
+            logger,
+            logging.WARNING,
+            "%s was saved on %d rank(s) and is loaded on %d: the RNG states are left as they are",
+            root,
+            manifest["world_size"],
+            world_size(),
+        )
+        return None
+    file = root / RNG_DIR / f"rank{rank()}.pt"
+    try:
+        state: RngState = torch.load(file, weights_only=True)
+    except Exception as error:
+        raise CheckpointError(f"{file} is missing or corrupt ({_first_line(error)})") from None
+    device = state.get("device")
+    if device is not None and not _available(device["type"], device["index"]):
+        logger.warning(
+            "%s holds the RNG state of %s:%d, which this process does not have; only the CPU "
+            "stream is restored",
+            file,
+            device["type"],
+            device["index"],
+        )
+        state = {**state, "device": None}
+    return state
+
+
+def _available(kind: str, index: int) -> bool:
+    module = getattr(torch, kind, None)
+    return bool(module is not None and module.is_available() and index < module.device_count())
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[-1] if text else type(error).__name__

@@ -1,0 +1,87 @@
+"""``checkpoint.json``: what a checkpoint holds, and the ``CheckpointInfo`` a load returns."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from checkpoint_io._errors import CheckpointError
+
+FORMAT = "checkpoint_io"
+FORMAT_VERSION = 1
+MANIFEST = "checkpoint.json"
+RNG_DIR = "rng"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """What :func:`load_checkpoint` read.
+
+    Attributes:
+        step: The ``step`` given to ``save_checkpoint`` (``None`` if none was).
+        extra: The ``extra`` mapping given to ``save_checkpoint``.
+        world_size: Ranks that wrote the checkpoint.
+        strategy: ``"ddp"``, ``"fsdp"`` or ``"none"``: how the saved model was wrapped.
+        torch_version: The torch that wrote it.
+        fingerprint: ``replica_init.state_fingerprint`` of the full model state saved.
+        path: The checkpoint directory.
+    """
+
+    step: int | None
+    extra: dict[str, Any]
+    world_size: int
+    strategy: str
+    torch_version: str
+    fingerprint: str
+    path: Path
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the checkpoint at ``path``, checked.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+        CheckpointError: If it is not a checkpoint directory, the manifest is unreadable, or
+            it was written by a newer format version.
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint at {str(path)!r}: the path does not exist")
+    file = path / MANIFEST
+    if not path.is_dir() or not file.is_file():
+        raise CheckpointError(
+            f"{str(path)!r} is not a checkpoint: it has no {MANIFEST} (a directory written by "
+            "save_checkpoint holds one); pass the directory save_checkpoint returned"
+        )
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{file} is unreadable or corrupt ({error})") from error
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a checkpoint-io manifest")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{str(path)!r} has format version {version!r}, newer than this checkpoint-io "
+            f"reads ({FORMAT_VERSION}); upgrade checkpoint-io"
+        )
+    return manifest
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Write ``checkpoint.json`` into the (temporary) checkpoint directory."""
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def info_from(manifest: dict[str, Any], path: Path) -> CheckpointInfo:
+    """The :class:`CheckpointInfo` of a manifest."""
+    return CheckpointInfo(
+        step=manifest.get("step"),
+        extra=dict(manifest.get("extra") or {}),
+        world_size=int(manifest["world_size"]),
+        strategy=str(manifest["strategy"]),
+        torch_version=str(manifest["torch_version"]),
+        fingerprint=str(manifest["fingerprint"]),
+        path=path,
+    )

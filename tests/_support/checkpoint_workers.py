@@ -1,0 +1,198 @@
+"""Rank bodies for the checkpoint-io tests (spawned children import them by name)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from checkpoint_io import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
+
+
+class Net(nn.Module):
+    """Blocks with dropout, and a conditioning parameter that gets no gradient (sparse state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.drop = nn.Dropout(0.3)
+        self.head = nn.Linear(8, 1)
+        self.empty_cond = nn.Parameter(torch.zeros(8))  # unused: never has AdamW state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = self.drop(torch.tanh(block(x)))
+        return self.head(x)
+
+
+def build(strategy: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = Net()
+    if strategy == "ddp":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return DistributedDataParallel(
+                model, broadcast_buffers=False, find_unused_parameters=True
+            )
+    if strategy == "fsdp":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    return model
+
+
+def optimizer_for(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    return optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+
+
+def train(model: nn.Module, optimizer: Any, scheduler: Any, rank: int, steps: range) -> None:
+    for step in steps:
+        generator = torch.Generator().manual_seed(100 * step + rank)  # data follows the step
+        x = torch.randn(4, 8, generator=generator)
+        (model(x) - 1).pow(2).mean().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return full_state_dict(model, rank0_only=False)
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool) -> bool:
+    if a.keys() != b.keys():
+        return False
+    if exact:
+        return all(torch.equal(a[k], b[k]) for k in a)
+    return all(torch.allclose(a[k], b[k], atol=1e-5, rtol=1e-4) for k in a)
+
+
+def optimizer_snapshot(optimizer: torch.optim.Optimizer) -> list[Any]:
+    out = []
+    for values in optimizer.state_dict()["state"].values():
+        out.append(
+            {
+                k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+                for k, v in values.items()
+            }
+        )
+    return out
+
+
+class Exploding:
+    """A stateful object whose state_dict fails on rank 1 only."""
+
+    def state_dict(self) -> dict[str, Any]:
+        if dist.get_rank() == 1:
+            raise OSError("disk quota exceeded (simulated on rank 1)")
+        return {"x": 1}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def everything(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    root = Path(folder)
+    out: dict[str, Any] = {}
+    # Uninterrupted DDP reference: 4 steps.
+    ref = build("ddp")
+    opt, sched = optimizer_for(ref)
+    torch.manual_seed(7 + rank)  # each rank's dropout stream
+    train(ref, opt, sched, rank, range(2))
+    saved_path = save_checkpoint(
+        root / "ddp-2",
+        ref,
+        opt,
+        step=2,
+        extra={"lr": sched.get_last_lr()[0]},
+        stateful={"sched": sched},
+    )
+    out["state_after_2_missing"] = "empty_cond" not in {
+        name for name, p in ref.module.named_parameters() if p in opt.state
+    }
+    train(ref, opt, sched, rank, range(2, 4))
+    reference = full(ref)
+    out["saved_path"] = str(saved_path)
+
+    # Same strategy, same world size: bit for bit, dropout included (RNG restored).
+    again = build("ddp", seed=99)
+    opt2, sched2 = optimizer_for(again)
+    info = load_checkpoint(root / "ddp-2", again, opt2, stateful={"sched": sched2})
+    out["info"] = (info.step, info.extra, info.world_size, info.strategy)
+    train(again, opt2, sched2, rank, range(2, 4))
+    out["ddp_resume_exact"] = same(full(again), reference, exact=True)
+
+    # DDP -> FSDP2: the same weights to fp tolerance; the optimizer moments moved along.
+    sharded = build("fsdp", seed=98)
+    opt3, sched3 = optimizer_for(sharded)
+    load_checkpoint(root / "ddp-2", sharded, opt3, stateful={"sched": sched3})
+    out["sched_restored"] = sched3.state_dict()["last_epoch"] == 2
+    train(sharded, opt3, sched3, rank, range(2, 4))
+    after = full(sharded)
+    out["fsdp_resume_close"] = same(after, reference, exact=False)
+
+    # FSDP2 -> DDP: the loaded weights are the saved ones exactly.
+    save_checkpoint(root / "fsdp-4", sharded, opt3, step=4, stateful={"sched": sched3})
+    back = build("ddp", seed=97)
+    opt4, sched4 = optimizer_for(back)
+    info4 = load_checkpoint(root / "fsdp-4", back, opt4, stateful={"sched": sched4})
+    out["fsdp_to_ddp_exact"] = same(full(back), after, exact=True)
+    out["fsdp_to_ddp_optimizer"] = [
+        {k: torch.equal(a[k], b[k]) for k in a}
+        for a, b in zip(optimizer_snapshot(opt3), optimizer_snapshot(opt4), strict=True)
+    ]
+    out["info4"] = (info4.strategy, info4.world_size)
+    # verify=False reads in place, into the FSDP2 shards and the optimizer's own moments.
+    in_place = build("fsdp", seed=96)
+    opt6, _ = optimizer_for(in_place)
+    train(in_place, opt6, torch.optim.lr_scheduler.StepLR(opt6, 1), rank, range(1))
+    load_checkpoint(root / "fsdp-4", in_place, opt6, verify=False)
+    out["in_place_exact"] = same(full(in_place), after, exact=True) and all(
+        all(torch.equal(a[k], b[k]) for k in a)
+        for a, b in zip(optimizer_snapshot(opt3), optimizer_snapshot(opt6), strict=True)
+    )
+
+    # A save that fails on rank 1: every rank raises, the old checkpoint stays, no leftovers.
+    before = sorted(p.name for p in root.iterdir())
+    try:
+        save_checkpoint(root / "ddp-2", ref, opt, stateful={"boom": Exploding()}, overwrite=True)
+        out["failed_save"] = "no error"
+    except Exception as error:
+        out["failed_save"] = f"{type(error).__name__}: {error}"
+    dist.barrier()
+    out["after_failed_save"] = sorted(p.name for p in root.iterdir()) == before
+    probe = build("ddp", seed=1)
+    load_checkpoint(root / "ddp-2", probe)  # still loads, verified
+    out["old_still_loads"] = True
+
+    # A load that fails: nothing changes (model, optimizer, RNG), on every rank.
+    wrong = build("ddp", seed=5)
+    opt5, _ = optimizer_for(wrong)
+    train(wrong, opt5, torch.optim.lr_scheduler.StepLR(opt5, 1), rank, range(1))
+    weights, moments, rng = full(wrong), optimizer_snapshot(opt5), torch.get_rng_state()
+    if rank == 0:
+        data = next(p for p in (root / "fsdp-4").iterdir() if p.suffix == ".distcp")
+        data.write_bytes(data.read_bytes()[:40])  # truncated
+    dist.barrier()
+    try:
+        load_checkpoint(root / "fsdp-4", wrong, opt5)
+        out["corrupt"] = "no error"
+    except CheckpointError as error:
+        out["corrupt"] = str(error)
+    out["unchanged"] = (
+        same(full(wrong), weights, exact=True)
+        and all(
+            all(torch.equal(a[k], b[k]) for k in a)
+            for a, b in zip(optimizer_snapshot(opt5), moments, strict=True)
+        )
+        and torch.equal(torch.get_rng_state(), rng)
+    )
+    return out
