@@ -15,6 +15,7 @@ from distributed_strategy import prepare_model
 from toy_models import Regressor
 
 ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "docs" / "examples" / "train.py"
 
 
 @pytest.mark.multiprocess
@@ -103,7 +104,7 @@ def _example(*args: str) -> subprocess.CompletedProcess[str]:
             "--standalone",
             "--nproc-per-node",
             "2",
-            str(ROOT / "docs" / "examples" / "train.py"),
+            str(EXAMPLE),
             *args,
         ],
         capture_output=True,
@@ -134,7 +135,26 @@ def test_example_trainer_under_torchrun(tmp_path: Path) -> None:
     # Stop under FSDP after 2 steps (accumulating), resume under DDP for steps 3 and 4.
     ckpt = tmp_path / "ckpt"
     first = ("--steps", "2", "--save", str(ckpt), "--grad-accum", "2", *clip)
-    _example("--strategy", "fsdp", *first)
+    saved = _final_sum(_example("--strategy", "fsdp", *first))
+    # The same 2-rank FSDP checkpoint in one process with no process group.
+    out = fresh_interpreter(
+        f"""
+        import importlib.util
+        import torch.distributed as dist
+        from checkpoint_io import load_checkpoint
+        spec = importlib.util.spec_from_file_location("example", {str(EXAMPLE)!r})
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        assert not dist.is_initialized()
+        model = example.TinyNet(width=32, depth=4)
+        info = load_checkpoint({str(ckpt)!r}, model)
+        total = sum(float(t.double().sum()) for t in model.state_dict().values())
+        print(info.world_size, info.strategy, info.step, total)
+        """
+    )
+    world, strategy, step, total = out.split()
+    assert (world, strategy, step) == ("2", "fsdp", "2")
+    assert float(total) == pytest.approx(saved, rel=1e-6)
     resumed = _example("--strategy", "ddp", "--steps", "4", "--resume", str(ckpt), *clip)
     assert "step 0:" not in resumed.stdout and "step 2:" in resumed.stdout
     assert _final_sum(resumed) == pytest.approx(expected, rel=1e-6)

@@ -7,7 +7,6 @@ import copy
 import dataclasses
 import gc
 import itertools
-import logging
 import statistics
 from collections.abc import Mapping
 from typing import Any
@@ -22,8 +21,6 @@ from strategy_bench._memory import PeakMemory
 from strategy_bench._plan import RunOptions
 from strategy_bench._timing import time_steps, timed_ms
 from strategy_bench._workload import Workload
-
-logger = logging.getLogger(__name__)
 
 
 def measure(
