@@ -159,6 +159,30 @@ class TestOneProcess:
             save_checkpoint(tmp_path / "d", model, stateful={"x": 3})
         assert not (tmp_path / "d").exists()
 
+    @pytest.mark.parametrize(
+        ("call", "match"),
+        [
+            (lambda m, o, p: save_checkpoint(3, m), "path must be a str or os.PathLike, got int"),
+            (lambda m, o, p: save_checkpoint(p, "m"), "model must be an nn.Module, got str"),
+            (lambda m, o, p: save_checkpoint(p, m, 1), "optimizer must be a torch.optim.Optimizer"),
+            (
+                lambda m, o, p: save_checkpoint(p, m, step=1.5),
+                "step must be an int or None, got float",
+            ),
+            (lambda m, o, p: save_checkpoint(p, m, stateful=[o]), "stateful must be a mapping"),
+            (lambda m, o, p: load_checkpoint(p, "m"), "model must be an nn.Module, got str"),
+            (lambda m, o, p: load_checkpoint(p, m, 1), "optimizer must be a torch.optim.Optimizer"),
+            (lambda m, o, p: full_state_dict("m"), "model must be an nn.Module, got str"),
+        ],
+    )
+    def test_bad_argument_types(self, tmp_path: Path, call: Any, match: str) -> None:
+        model, optimizer = _trained()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(TypeError, match=match):
+            call(model, optimizer, tmp_path / "c")
+        assert not (tmp_path / "c").exists()
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
     def test_key_and_shape_mismatches(self, tmp_path: Path) -> None:
         model, _ = _trained()
         path = save_checkpoint(tmp_path / "c", model)

@@ -19,6 +19,7 @@ from dist_core import (
     require_device_index,
     resolve_device,
     strategy_of,
+    unwrap_compiled,
     unwrap_model,
     world_size,
 )
@@ -145,6 +146,8 @@ class TestWithGroup:
         )  # the wrapper only; nothing is compiled until called
         assert strategy_of(compiled) == "ddp"  # type: ignore[arg-type]
         assert unwrap_model(compiled) is ddp.module  # type: ignore[arg-type]
+        assert unwrap_compiled(compiled) is ddp  # type: ignore[arg-type]
+        assert unwrap_compiled(ddp) is ddp
 
         sharded = Two()
         fully_shard(sharded.blocks[0])

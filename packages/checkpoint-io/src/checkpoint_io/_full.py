@@ -64,9 +64,7 @@ def consolidate_checkpoint(path: str | os.PathLike[str], out_file: str | os.Path
     manifest = read_manifest(root)
     try:
         everything = _compat.load_whole(root)
-    except BaseException as error:  # DCP raises CheckpointException (a BaseException)
-        if isinstance(error, KeyboardInterrupt):
-            raise
+    except (Exception, _compat.CheckpointException) as error:  # the latter: a BaseException
         raise CheckpointError(f"reading {str(root)!r} failed ({error})") from None
     optimizer = everything.get(_state.OPTIM)
     if optimizer is not None:

@@ -118,7 +118,6 @@ def _write(
     rng: bool,
 ) -> None:
     state: dict[str, Any] = {}
-    manifest: dict[str, Any] = {}
     failure: BaseException | None = None
     try:
         state[_state.MODEL] = _state.model_state(model)
@@ -129,7 +128,7 @@ def _write(
     except Exception as error:
         failure = error
     agree(failure, "collecting the state to save")
-    manifest = {
+    manifest: dict[str, Any] = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "step": step,

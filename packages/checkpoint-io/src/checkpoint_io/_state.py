@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from checkpoint_io._collective import from_rank0
 from checkpoint_io._errors import CheckpointError
 from dist_core import rank, unwrap_model
 from replica_init import state_fingerprint
@@ -279,7 +280,6 @@ def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
 
     Sharded tensors are gathered one at a time (every rank takes part); rank 0 hashes.
     """
-    from checkpoint_io._collective import from_rank0
 
     def full() -> Iterator[tuple[str, torch.Tensor]]:
         for name in sorted(state):

@@ -9,7 +9,13 @@ from __future__ import annotations
 from dist_core._checks import check_forward_methods, check_wrap_preconditions
 from dist_core._devices import DeviceLike, accelerator_type, require_device_index, resolve_device
 from dist_core._group import is_distributed, log_rank0, rank, require_process_group, world_size
-from dist_core._wrapped import Strategy, fsdp_modules, is_compiled, strategy_of, unwrap_model
+from dist_core._wrapped import (
+    Strategy,
+    fsdp_modules,
+    strategy_of,
+    unwrap_compiled,
+    unwrap_model,
+)
 
 __all__ = [
     "DeviceLike",
@@ -18,7 +24,6 @@ __all__ = [
     "check_forward_methods",
     "check_wrap_preconditions",
     "fsdp_modules",
-    "is_compiled",
     "is_distributed",
     "log_rank0",
     "rank",
@@ -26,6 +31,7 @@ __all__ = [
     "require_process_group",
     "resolve_device",
     "strategy_of",
+    "unwrap_compiled",
     "unwrap_model",
     "world_size",
 ]

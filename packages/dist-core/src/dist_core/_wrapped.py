@@ -11,9 +11,23 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 Strategy = Literal["ddp", "fsdp", "none"]
 
 
-def is_compiled(module: nn.Module) -> bool:
+def _is_compiled(module: nn.Module) -> bool:
     """Whether ``module`` is ``torch.compile``'s ``OptimizedModule`` (without importing dynamo)."""
     return type(module).__name__ == "OptimizedModule" and "_orig_mod" in module._modules
+
+
+def unwrap_compiled(module: nn.Module) -> nn.Module:
+    """Peel ``torch.compile``'s ``OptimizedModule`` layers only (a DDP inside stays DDP).
+
+    Args:
+        module: A model, compiled or not.
+
+    Returns:
+        The module that ``torch.compile`` wrapped, or ``module`` itself.
+    """
+    while _is_compiled(module):
+        module = module._modules["_orig_mod"]  # type: ignore[assignment]
+    return module
 
 
 def _fsdp1_class() -> type[nn.Module] | None:
@@ -39,7 +53,7 @@ def unwrap_model(module: nn.Module) -> nn.Module:
     while True:
         if isinstance(module, DistributedDataParallel | DataParallel):
             module = module.module
-        elif is_compiled(module):
+        elif _is_compiled(module):
             module = module._modules["_orig_mod"]  # type: ignore[assignment]
         elif fsdp1 is not None and isinstance(module, fsdp1):
             module = module.module  # type: ignore[assignment]
@@ -63,8 +77,7 @@ def strategy_of(model: nn.Module) -> Strategy:
         ``"ddp"``, ``"fsdp"`` (FSDP2 ``fully_shard`` anywhere in the model, or FSDP1), or
         ``"none"``.
     """
-    while is_compiled(model):
-        model = model._modules["_orig_mod"]  # type: ignore[assignment]
+    model = unwrap_compiled(model)
     if isinstance(model, DistributedDataParallel):
         return "ddp"
     fsdp1 = _fsdp1_class()

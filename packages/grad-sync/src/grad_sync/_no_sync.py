@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
-from dist_core import fsdp_modules, is_compiled, log_rank0, strategy_of
+from dist_core import fsdp_modules, log_rank0, strategy_of, unwrap_compiled
 from grad_sync import _compat
 
 logger = logging.getLogger(__name__)
@@ -56,24 +56,20 @@ def no_sync(model: nn.Module) -> Iterator[None]:
             forward that ran outside it.
     """
     strategy = strategy_of(model)
+    sharded = fsdp_modules(model) if strategy == "fsdp" else []
     if strategy == "ddp":
-        with _ddp_no_sync(_outer_ddp(model)):
+        outer = unwrap_compiled(model)
+        assert isinstance(outer, DistributedDataParallel)
+        with _ddp_no_sync(outer):
             yield
-    elif strategy == "fsdp" and fsdp_modules(model):
-        with _fsdp_no_sync(fsdp_modules(model)):
+    elif sharded:
+        with _fsdp_no_sync(sharded):
             yield
     elif strategy == "fsdp":  # FSDP1: its own no_sync
         with model.no_sync():  # type: ignore[operator]
             yield
     else:
         yield
-
-
-def _outer_ddp(model: nn.Module) -> DistributedDataParallel:
-    while is_compiled(model):
-        model = model._modules["_orig_mod"]  # type: ignore[assignment]
-    assert isinstance(model, DistributedDataParallel)
-    return model
 
 
 class _Tracker:

@@ -61,7 +61,8 @@ def build_replicated_model(
     """
     if source not in BUILD_SOURCES:
         raise ValueError(
-            f"source must be one of {{local, rank0}}, got {source!r}; use 'local' (every rank "
+            f"source must be one of {{{', '.join(sorted(BUILD_SOURCES))}}}, got {source!r}; "
+            "use 'local' (every rank "
             "constructs) or 'rank0' (rank 0 constructs and broadcasts)"
         )
     if source == "local":
