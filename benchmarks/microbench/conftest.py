@@ -30,9 +30,11 @@ _EXTRA: dict[str, dict[str, Any]] = {}
 TARGETS = {
     "ddp-wrap: attribute read": 1.25,
     "ddp-wrap: delegated method call": 2.0,
+    "ddp-wrap: empty delegated method call": 2.0,
     "ddp-wrap: training step": 1.03,
     "ddp-wrap: wrap vs DDP construction": 1.10,
     "replica-init: build vs bare recipe": 1.05,
+    "replica-init: rank0 coalesced vs per-tensor broadcast": 0.5,
     "grad-sync: DDP micro-step in no_sync": 1.02,
     "grad-sync: FSDP micro-step in no_sync": 1.02,
     "grad-sync: clip_grad_norm": 1.10,

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.usefixtures("process_group")
 GROUPS = {
     "test_attribute_read": "ddp-wrap: attribute read",
     "test_method_call": "ddp-wrap: delegated method call",
+    "test_empty_method_call": "ddp-wrap: empty delegated method call",
     "test_training_step": "ddp-wrap: training step",
     "test_wrap": "ddp-wrap: wrap vs DDP construction",
 }
@@ -65,13 +66,31 @@ def test_method_call(paired: Any) -> None:
 
         def call() -> None:
             for _ in range(100):
-                wrapped.normalize(x)  # bypass detection armed for the call
+                wrapped.normalize(x)
+
+    paired(call, rounds=200)
+
+
+def test_empty_method_call(paired: Any) -> None:
+    """The fixed cost of reaching a method through the wrapper (the method does nothing)."""
+    wrapped = _wrapped(paired.side)
+    x = torch.ones(4, 128)
+    if paired.side == "raw":
+
+        def call() -> None:
+            for _ in range(100):
+                wrapped.module.identity(x)
+    else:
+
+        def call() -> None:
+            for _ in range(100):
+                wrapped.identity(x)
 
     paired(call, rounds=200)
 
 
 def test_training_step(paired: Any) -> None:
-    wrapped = _wrapped(paired.side)  # ours: trainable guard and bypass detection on
+    wrapped = _wrapped(paired.side)  # ours: trainable guard and bypass hooks on
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=1e-3)
     x = torch.randn(64, 128)
 

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from checkpoint_io import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
+from dist_harness import rank_device
 
 
 class Net(nn.Module):
@@ -34,7 +35,7 @@ class Net(nn.Module):
 
 def build(strategy: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    model = Net()
+    model = Net().to(rank_device())
     if strategy == "ddp":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
@@ -56,7 +57,7 @@ def optimizer_for(model: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
 def train(model: nn.Module, optimizer: Any, scheduler: Any, rank: int, steps: range) -> None:
     for step in steps:
         generator = torch.Generator().manual_seed(100 * step + rank)  # data follows the step
-        x = torch.randn(4, 8, generator=generator)
+        x = torch.randn(4, 8, generator=generator).to(rank_device())
         (model(x) - 1).pow(2).mean().backward()
         optimizer.step()
         scheduler.step()

@@ -8,16 +8,17 @@ import torch
 from torch import nn
 
 from ddp_wrap import mark_forward_method, wrap_module_ddp
-from toy_models import RunnerNet
+from dist_harness import rank_device
+from toy_models import Nested, RunnerNet
 
 
 def _model() -> RunnerNet:
     torch.manual_seed(0)
-    return RunnerNet()
+    return RunnerNet().to(rank_device())
 
 
 def _data(rank: int) -> torch.Tensor:
-    return torch.full((2, 4), float(rank + 1))
+    return torch.full((2, 4), float(rank + 1), device=rank_device())
 
 
 def _grads(model: nn.Module) -> dict[str, list[float]]:
@@ -28,17 +29,17 @@ def gradient_sync(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     # The reference: plain DDP forward.
-    ddp = wrap_module_ddp(_model(), device="cpu")
+    ddp = wrap_module_ddp(_model(), device=rank_device())
     (ddp(_data(rank)) ** 2).sum().backward()
     out["forward_grads"] = _grads(ddp.module)
 
     # A marked method: the same loss computed inside the method, routed through DDP.
-    marked = wrap_module_ddp(_model(), device="cpu", forward_methods=["loss"])
+    marked = wrap_module_ddp(_model(), device=rank_device(), forward_methods=["loss"])
     marked.loss(_data(rank)).backward()
     out["marked_grads"] = _grads(marked.module)
 
     # mark_forward_method after the wrap does the same.
-    late = wrap_module_ddp(_model(), device="cpu")
+    late = wrap_module_ddp(_model(), device=rank_device())
     mark_forward_method(late, "loss")
     late.loss(_data(rank)).backward()
     out["late_marked_grads"] = _grads(late.module)
@@ -49,7 +50,7 @@ def gradient_sync(rank: int, world_size: int) -> dict[str, Any]:
     out["local_grads"] = _grads(local)
 
     # An unmarked bypass under grad is refused, on every rank, before any gradient exists.
-    guarded = wrap_module_ddp(_model(), device="cpu")
+    guarded = wrap_module_ddp(_model(), device=rank_device())
     try:
         guarded.loss(_data(rank))
     except RuntimeError as error:
@@ -60,12 +61,28 @@ def gradient_sync(rank: int, world_size: int) -> dict[str, Any]:
     out["normalize_ok"] = guarded.normalize(_data(rank)).sum().item()
     out["encode_ok"] = guarded.encode(_data(rank)).shape[1]
 
+    # A trainable submodule reached through the wrapper, at depth 1 and 2: refused under grad
+    # on every rank, allowed under no_grad; the step through DDP then syncs its gradients.
+    torch.manual_seed(0)
+    nested = wrap_module_ddp(Nested().to(rank_device()), device=rank_device())
+    out["submodule_errors"] = []
+    for call in (nested.body, nested.body.layer1):
+        try:
+            call(_data(rank)).sum().backward()
+        except RuntimeError as error:
+            out["submodule_errors"].append(str(error).split(",")[0])
+    out["submodule_left_grads"] = _grads(nested.module)
+    with torch.no_grad():
+        nested.body.layer1(_data(rank))
+    nested(_data(rank)).sum().backward()
+    out["nested_grads"] = _grads(nested.module)
+
     # broadcast_buffers=False (the reference): a rank-local buffer is synced neither at init
     # nor in forward. True: synced from rank 0.
     for flag in (False, True):
         model = _model()
         model.mean.fill_(float(rank))
-        wrapped = wrap_module_ddp(model, device="cpu", broadcast_buffers=flag)
+        wrapped = wrap_module_ddp(model, device=rank_device(), broadcast_buffers=flag)
         wrapped(_data(rank))
         out[f"mean_after_broadcast_{flag}"] = model.mean.tolist()
     return out

@@ -1,7 +1,9 @@
-"""Run a function on N real gloo ranks in spawned processes, and collect what each returned.
+"""Run a function on N real ranks (gloo on CPU, or NCCL on GPUs) in spawned processes, and
+collect what each returned.
 
 Worker functions must live in an importable module (this folder is on pytest's pythonpath),
-because spawned children import them by name.
+because spawned children import them by name. A worker puts its tensors on
+:func:`rank_device`, so the same worker runs on gloo (CPU) and on NCCL (one GPU per rank).
 """
 
 from __future__ import annotations
@@ -17,10 +19,54 @@ from collections.abc import Callable
 from typing import Any
 
 DEADLINE_S = 180.0
+_BACKEND_VAR = "DIST_HARNESS_BACKEND"
 
 
-def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> list[Any]:
+def cuda_count() -> int:
+    """Visible CUDA devices (0 on a CPU build), without creating a CUDA context."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def two_rank_backends() -> list[Any]:
+    """``(backend, world_size)`` values for a two-rank test or fixture (one parameter each):
+    gloo always, and an NCCL variant that skips, saying why, unless 2 GPUs are visible."""
+    import pytest
+
+    gpus = cuda_count()
+    return [
+        pytest.param(("gloo", 2), id="gloo"),
+        pytest.param(
+            ("nccl", 2),
+            id="nccl",
+            marks=pytest.mark.skipif(
+                gpus < 2, reason=f"NCCL variant: needs 2 CUDA devices, {gpus} visible"
+            ),
+        ),
+    ]
+
+
+def rank_device() -> Any:
+    """This rank's device: ``cuda:<rank>`` under NCCL (one GPU per rank), else CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if os.environ.get(_BACKEND_VAR) == "nccl":
+        return torch.device("cuda", dist.get_rank())
+    return torch.device("cpu")
+
+
+def run_ranks(
+    fn: Callable[..., Any], *args: Any, world_size: int = 2, backend: str = "gloo"
+) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on every rank; return the results by rank.
+
+    Args:
+        fn: The rank body, importable by name.
+        *args: Further arguments of ``fn``.
+        world_size: How many ranks.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (rank r on cuda:r, bound with ``device_id``).
 
     Raises:
         AssertionError: If a rank raised (with its traceback) or the deadline passed.
@@ -30,7 +76,9 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2) -> list[A
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            context.Process(target=_entry, args=(fn, rank, world_size, store, results, args))
+            context.Process(
+                target=_entry, args=(fn, rank, world_size, backend, store, results, args)
+            )
             for rank in range(world_size)
         ]
         for proc in procs:
@@ -68,6 +116,7 @@ def _entry(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
+    backend: str,
     store_path: str,
     results: Any,
     args: tuple[Any, ...],
@@ -76,14 +125,20 @@ def _entry(
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    os.environ[_BACKEND_VAR] = backend
     try:
+        extra: dict[str, Any] = {}
+        if backend == "nccl":  # set_device first, then a group bound to it (torch's advice)
+            torch.cuda.set_device(rank)
+            extra["device_id"] = torch.device("cuda", rank)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(
-            "gloo",
+            backend,
             store=store,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=60),
+            **extra,
         )
         results.put((rank, "ok", fn(rank, world_size, *args)))
         dist.barrier()  # no rank tears the group down while another still uses it

@@ -14,6 +14,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from dist_harness import rank_device
 from grad_sync import clip_grad_norm, no_sync
 
 K = 3  # micro-steps per optimizer step
@@ -34,13 +35,13 @@ class Blocks(nn.Module):
 
 def build() -> nn.Module:
     torch.manual_seed(0)
-    return Blocks()
+    return Blocks().to(rank_device())
 
 
 def batches(rank: int, step: int) -> list[torch.Tensor]:
     """Rank ``rank``'s K micro-batches of optimizer step ``step``: different on every rank."""
     generator = torch.Generator().manual_seed(1000 * step + rank)
-    return [torch.randn(BATCH, 6, generator=generator) for _ in range(K)]
+    return [torch.randn(BATCH, 6, generator=generator).to(rank_device()) for _ in range(K)]
 
 
 def loss_fn(out: torch.Tensor) -> torch.Tensor:

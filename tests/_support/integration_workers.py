@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dist_harness import rank_device
 from distributed_strategy import derive_seed, prepare_model, unwrap_model
 from toy_models import Regressor
 
@@ -35,7 +36,7 @@ def train_both(rank: int, world_size: int) -> dict[str, Any]:
             Regressor,
             {"width": 8},
             config={"strategy": strategy},
-            device="cpu",
+            device=rank_device(),
             default_dtype=torch.float32,
             seed=SEED,
             trainable=freeze_encoder,
@@ -44,7 +45,7 @@ def train_both(rank: int, world_size: int) -> dict[str, Any]:
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
         data = torch.Generator().manual_seed(derive_seed(SEED, "data", rank))
         for _ in range(STEPS):
-            x = torch.randn(4, 8, generator=data)
+            x = torch.randn(4, 8, generator=data).to(rank_device())
             loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean()
             loss.backward()
             optimizer.step()

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dist_harness import rank_device
 from replica_init import (
     ReplicaMismatchError,
     assert_replicas_identical,
@@ -14,6 +15,7 @@ from replica_init import (
     build_replicated_model_from_scratch,
     model_fingerprint,
 )
+from replica_init._broadcast import broadcast_coalesced
 from toy_models import ToyNet
 
 PARAMS = {"vocab": 32, "width": 8, "depth": 2}
@@ -29,13 +31,13 @@ def replica_checks(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     rng_before = torch.get_rng_state()
     local = build_replicated_model(
-        ToyNet, PARAMS, device="cpu", default_dtype=torch.float32, seed=3
+        ToyNet, PARAMS, device=rank_device(), default_dtype=torch.float32, seed=3
     )
     out["fp_local"] = assert_replicas_identical(local)
     out["rng_unchanged"] = torch.equal(torch.get_rng_state(), rng_before)
 
     skewed = build_replicated_model_from_scratch(
-        ToyNet, PARAMS, device="cpu", default_dtype=torch.float32, seed=100 + rank
+        ToyNet, PARAMS, device=rank_device(), default_dtype=torch.float32, seed=100 + rank
     )
     try:
         assert_replicas_identical(skewed)
@@ -43,7 +45,7 @@ def replica_checks(rank: int, world_size: int) -> dict[str, Any]:
         out["seed_mismatch"] = (str(error), error.ranks, error.tensor)
 
     flipped = build_replicated_model_from_scratch(
-        ToyNet, PARAMS, device="cpu", default_dtype=torch.float32, seed=3
+        ToyNet, PARAMS, device=rank_device(), default_dtype=torch.float32, seed=3
     )
     if rank == 1:
         with torch.no_grad():
@@ -55,7 +57,7 @@ def replica_checks(rank: int, world_size: int) -> dict[str, Any]:
         out["bit_mismatch"] = (str(error), error.ranks, error.tensor)
 
     from_rank0 = build_replicated_model(
-        ToyNet, PARAMS, device="cpu", default_dtype=torch.float32, seed=3, source="rank0"
+        ToyNet, PARAMS, device=rank_device(), default_dtype=torch.float32, seed=3, source="rank0"
     )
     out["fp_rank0"] = model_fingerprint(from_rank0)
     out["rank0_tied"] = from_rank0.head.weight is from_rank0.embed.weight
@@ -69,11 +71,30 @@ def replica_checks(rank: int, world_size: int) -> dict[str, Any]:
         build_replicated_model(
             _fails_on_rank0,
             PARAMS,
-            device="cpu",
+            device=rank_device(),
             default_dtype=torch.float32,
             seed=3,
             source="rank0",
         )
     except Exception as error:
         out["rank0_failure"] = f"{type(error).__name__}: {error}"
+
+    # Coalesced broadcast over small buckets: mixed dtypes, a tensor larger than a bucket,
+    # a non-contiguous view and an empty tensor; everyone ends with rank 0's bits.
+    base = torch.arange(12.0).reshape(3, 4) + 100 * rank
+    tensors = [
+        torch.full((3,), rank + 0.5),
+        torch.arange(40, dtype=torch.int64) * (rank + 1),
+        torch.tensor([rank == 0, rank == 1]),
+        torch.full((2,), rank, dtype=torch.float16),
+        torch.full((4,), rank + 0.25),
+        base.t(),
+        torch.empty(0),
+    ]
+    tensors = [t.to(rank_device()) for t in tensors[:5]] + [
+        base.to(rank_device()).t(),  # still a non-contiguous view where it lives
+        tensors[6].to(rank_device()),
+    ]
+    broadcast_coalesced(tensors, src=0, bucket_bytes=64)
+    out["coalesced"] = [t.tolist() for t in tensors]
     return out

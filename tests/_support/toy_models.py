@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -92,3 +94,86 @@ class RunnerNet(nn.Module):
     def loss(self, x: torch.Tensor) -> torch.Tensor:
         """Runs the trainable ``net`` outside ``forward``: a bypass unless marked."""
         return (self.forward(x) ** 2).sum()
+
+
+class Body(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.layer1 = nn.Linear(width, width)
+        self.layer2 = nn.Linear(width, width)
+        self.hooks_seen: list[int] = []  # bypass hooks present while the forward ran
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hooks_seen.append(len(self.layer1._forward_pre_hooks))
+        return self.layer2(torch.tanh(self.layer1(x)))
+
+
+class Nested(nn.Module):
+    """Trainable submodules at depth 1 and 2 (``body``, ``body.layer1``), for the bypass
+    through submodules; ``checkpoint`` recomputes ``body`` in backward."""
+
+    def __init__(self, width: int = 4, checkpoint: str | None = None) -> None:
+        super().__init__()
+        self.body = Body(width)
+        self.head = nn.Linear(width, 1)
+        self.checkpoint = checkpoint
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpoint is None:
+            h = self.body(x)
+        else:
+            from torch.utils.checkpoint import checkpoint
+
+            h = checkpoint(self.body, x, use_reentrant=self.checkpoint == "reentrant")
+        return self.head(h)
+
+
+class DecoderLayer(Block):
+    """A transformer block under the name a Hugging Face model declares."""
+
+
+class DecoderStack(nn.Module):
+    """Shaped like a Hugging Face decoder: ``_no_split_modules`` names its layer class; the
+    layers sit in a ModuleList next to a second, undeclared one (which must not be chosen)."""
+
+    _no_split_modules: ClassVar[list[str]] = ["DecoderLayer"]
+
+    def __init__(self, width: int = 8, depth: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, width)
+        self.layers = nn.ModuleList(DecoderLayer(width) for _ in range(depth))
+        self.adapters = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer, adapter in zip(self.layers, self.adapters, strict=True):
+            x = adapter(layer(x))
+        return self.norm(x)
+
+
+class CausalLM(nn.Module):
+    """The declaration sits on a submodule (a ``...ForCausalLM`` around its base model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = DecoderStack()
+        self.lm_head = nn.Linear(8, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(tokens))
+
+
+class SequentialViT(nn.Module):
+    """Shaped like timm's ViT: the blocks in an ``nn.Sequential``, an MLP head that is a
+    ``Sequential`` of single layers (one MLP, not blocks), a parameter-free repeat."""
+
+    def __init__(self, width: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        self.patch_embed = nn.Linear(4, width)
+        self.blocks = nn.Sequential(*(Block(width) for _ in range(depth)))
+        self.head = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, 2))
+        self.acts = nn.ModuleList([nn.GELU(), nn.GELU()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.patch_embed(x)))

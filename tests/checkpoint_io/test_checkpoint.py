@@ -20,13 +20,18 @@ from checkpoint_io import (
     load_checkpoint,
     save_checkpoint,
 )
-from dist_harness import run_ranks
+from dist_harness import run_ranks, two_rank_backends
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+@pytest.fixture(scope="module", params=two_rank_backends())
+def two_ranks(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> tuple[list[dict[str, Any]], Path]:
+    backend, world_size = request.param
     folder = tmp_path_factory.mktemp("ckpt")
-    return run_ranks(workers.everything, str(folder)), folder
+    return run_ranks(
+        workers.everything, str(folder), world_size=world_size, backend=backend
+    ), folder
 
 
 @pytest.mark.multiprocess

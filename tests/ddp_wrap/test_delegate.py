@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import gc
 import pickle
 
 import pytest
@@ -10,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ddp_wrap import DelegatingDistributedDataParallel, mark_forward_method, wrap_module_ddp
-from toy_models import RunnerNet, ToyNet
+from toy_models import Nested, RunnerNet, ToyNet
 
 pytestmark = pytest.mark.usefixtures("process_group")
 
@@ -127,7 +129,8 @@ def test_marked_method_runs_through_ddp_forward(wrapped: DelegatingDistributedDa
     loss.backward()
     assert wrapped.module.net.weight.grad is not None
     assert "forward" not in wrapped.module.__dict__  # the real forward is back
-    assert torch.equal(wrapped(torch.ones(1, 4)), wrapped.module(torch.ones(1, 4)))
+    with torch.no_grad():
+        assert torch.equal(wrapped(torch.ones(1, 4)), wrapped.module(torch.ones(1, 4)))
 
 
 def test_mark_forward_method_rejects_bad_names(wrapped: DelegatingDistributedDataParallel) -> None:
@@ -174,3 +177,82 @@ def test_tied_toy_net_trains_through_the_wrapper() -> None:
     wrapped = wrap_module_ddp(ToyNet(), device="cpu")
     wrapped(torch.tensor([[1, 2, 3]])).sum().backward()
     assert wrapped.embed.weight.grad is not None
+
+
+class TestSubmoduleBypass:
+    """A trainable submodule reached through the wrapper and run under grad (issue 18)."""
+
+    def test_refused_at_depth_one_and_two(self) -> None:
+        wrapped = wrap_module_ddp(Nested(), device="cpu")
+        x = torch.ones(2, 4)
+        with pytest.raises(RuntimeError) as info:
+            wrapped.body(x)
+        message = str(info.value)
+        assert "submodule 'body.layer1' (Linear) of the DDP-wrapped Nested" in message
+        assert "outside DDP's forward while grad is enabled" in message
+        assert "detect_bypass=False" in message
+        with pytest.raises(RuntimeError, match="submodule 'body.layer2' \\(Linear\\)"):
+            wrapped.body.layer2(x)
+        with pytest.raises(RuntimeError, match="submodule 'head'"):
+            wrapped.module.head(x)  # the same object: the check follows the module
+        assert all(p.grad is None for p in wrapped.parameters())
+
+    def test_allowed_without_grad_and_inside_ddp_forward(self) -> None:
+        wrapped = wrap_module_ddp(Nested(), device="cpu")
+        x = torch.ones(2, 4)
+        with torch.no_grad():
+            wrapped.body(x)
+        with torch.inference_mode():
+            wrapped.body.layer1(x)
+        wrapped(x).sum().backward()
+        assert wrapped.module.body.layer1.weight.grad is not None
+        # Detached inside DDP's forward (no hook call in the step), attached again after.
+        with torch.no_grad():
+            wrapped.body(x)
+        assert wrapped.module.body.hooks_seen == [1, 0, 1]
+
+    def test_reads_and_identity_unchanged(self) -> None:
+        wrapped = wrap_module_ddp(Nested(), device="cpu")
+        inner = wrapped.module
+        assert wrapped.body is inner.body
+        assert wrapped.body.layer1 is inner.body.layer1
+        assert wrapped.body.layer1.weight is inner.body.layer1.weight
+        assert wrapped.head.weight.shape == (1, 4)
+
+    @pytest.mark.parametrize("mode", ["non-reentrant", "reentrant"])
+    def test_activation_checkpointing_recompute_is_allowed(self, mode: str) -> None:
+        torch.manual_seed(0)
+        wrapped = wrap_module_ddp(Nested(checkpoint=mode), device="cpu")
+        x = torch.ones(2, 4, requires_grad=mode == "reentrant")
+        wrapped(x).sum().backward()  # body runs again in backward, outside DDP's forward
+        assert wrapped.module.body.layer1.weight.grad is not None
+
+    def test_copies_of_the_bare_model_are_not_checked(self) -> None:
+        model = Nested()
+        wrapped = wrap_module_ddp(model, device="cpu")
+        x = torch.ones(2, 4)
+        copy.deepcopy(model).body(x).sum().backward()  # an EMA copy
+        pickle.loads(pickle.dumps(model)).body(x).sum().backward()  # torch.save(model)
+        with pytest.raises(RuntimeError, match="submodule 'body.layer1'"):
+            model.body(x)  # the original still is, while its wrapper lives
+        del wrapped
+        gc.collect()
+        model.body(x)  # wrapper gone: the hooks do nothing
+
+    def test_wrapping_again_keeps_one_hook_per_module(self) -> None:
+        model = Nested()
+        first = wrap_module_ddp(model, device="cpu")
+        second = wrap_module_ddp(model, device="cpu")
+        assert len(model.body.layer1._forward_pre_hooks) == 1
+        x = torch.ones(2, 4)
+        first(x)
+        second(x)
+        assert len(model.body.layer1._forward_pre_hooks) == 1
+        with pytest.raises(RuntimeError):
+            model.body(x)
+
+    def test_turned_off(self) -> None:
+        model = Nested()
+        wrap_module_ddp(model, device="cpu", detect_bypass=False)
+        assert not model.body.layer1._forward_pre_hooks
+        model.body(torch.ones(2, 4))

@@ -16,7 +16,7 @@ from ddp_wrap import (
     unwrap_model,
     wrap_module_ddp,
 )
-from dist_harness import fresh_interpreter, run_ranks
+from dist_harness import fresh_interpreter, run_ranks, two_rank_backends
 from toy_models import RunnerNet
 
 
@@ -149,10 +149,12 @@ def test_uninitialized_process_group_is_refused() -> None:
 
 
 @pytest.mark.multiprocess
-def test_two_ranks() -> None:
+@pytest.mark.parametrize("variant", two_rank_backends())
+def test_two_ranks(variant: tuple[str, int]) -> None:
+    backend, world_size = variant
     from ddp_wrap_workers import gradient_sync
 
-    results = run_ranks(gradient_sync, world_size=2)
+    results = run_ranks(gradient_sync, world_size=world_size, backend=backend)
     r0, r1 = results
     # Gradients are synchronised: both ranks agree, and equal the mean of the local ones.
     assert r0["forward_grads"] == r1["forward_grads"]
@@ -169,6 +171,12 @@ def test_two_ranks() -> None:
         assert "RunnerNet.loss() ran the forward of submodule 'net'" in r["bypass_error"]
         assert r["bypass_left_grads"] == {}
         assert r["encode_ok"] == 4
+        assert (
+            r["submodule_errors"]
+            == ["submodule 'body.layer1' (Linear) of the DDP-wrapped Nested"] * 2
+        )
+        assert r["submodule_left_grads"] == {}
+    assert r0["nested_grads"] == r1["nested_grads"]
     # broadcast_buffers=False: each rank keeps its own buffer; True: rank 0's everywhere.
     assert r0["mean_after_broadcast_False"] == [0.0] * 4
     assert r1["mean_after_broadcast_False"] == [1.0] * 4

@@ -16,6 +16,7 @@ from dist_core import (
     fsdp_modules,
     log_rank0,
     rank,
+    require_current_device,
     require_device_index,
     resolve_device,
     strategy_of,
@@ -24,6 +25,7 @@ from dist_core import (
     world_size,
 )
 from dist_harness import fresh_interpreter
+from fake_accelerator import FakeAccelerator, patch_device_module
 
 
 class Two(nn.Module):
@@ -166,3 +168,19 @@ def test_log_rank0_logs_without_group(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="dist_core.test"):
         log_rank0(logger, logging.INFO, "hello %s", "there")
     assert [r.getMessage() for r in caplog.records] == ["hello there"]
+
+
+def test_require_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeAccelerator(count=4)
+    fake.current = 2
+    patch_device_module(monkeypatch, lambda _kind: fake)
+    require_current_device(torch.device("cuda", 2), caller="f")
+    require_current_device(torch.device("cpu"), caller="f")
+    require_current_device(torch.device("meta"), caller="f")
+    with pytest.raises(ValueError) as info:
+        require_current_device(torch.device("cuda", 3), caller="wrap_module_fsdp")
+    assert str(info.value).startswith(
+        "wrap_module_fsdp: device='cuda:3' is not the current cuda device (cuda:2); "
+        "collectives stage their buffers on the current device, so call "
+        "torch.cuda.set_device(3) first"
+    )

@@ -10,20 +10,49 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from dist_harness import fresh_interpreter, run_ranks
+from dist_harness import fresh_interpreter, run_ranks, two_rank_backends
 from fsdp_wrap import (
     mixed_precision_policy,
     select_shard_targets,
     torch_dtype,
     wrap_module_fsdp,
 )
-from toy_models import Block, Regressor, RunnerNet, ToyNet
+from fsdp_wrap._policy import describe_units, select_with_rule
+from toy_models import Block, CausalLM, DecoderStack, Regressor, RunnerNet, SequentialViT, ToyNet
 
 
 class TestShardPolicy:
     def test_default_is_each_module_list_member(self) -> None:
         model = ToyNet(depth=3)
         assert select_shard_targets(model, None) == list(reversed(list(model.blocks)))
+
+    def test_default_follows_no_split_modules(self) -> None:
+        model = DecoderStack()
+        assert select_shard_targets(model, None) == list(reversed(list(model.layers)))
+        wrapper = CausalLM()  # declared on a submodule
+        assert select_shard_targets(wrapper, None) == list(reversed(list(wrapper.model.layers)))
+        assert (
+            select_with_rule(wrapper, None)[1]
+            == "default policy: _no_split_modules ['DecoderLayer']"
+        )
+
+    def test_declared_names_matching_nothing_fall_back_to_repeated_blocks(self) -> None:
+        model = DecoderStack()
+        model._no_split_modules = ["GoneLayer"]
+        chosen = select_shard_targets(model, None)
+        assert chosen == list(reversed([*model.layers, *model.adapters]))
+
+    def test_default_takes_repeated_blocks_of_a_sequential(self) -> None:
+        model = SequentialViT()
+        # The blocks; not the head's two Linears (one MLP), not the parameter-free GELUs.
+        assert select_shard_targets(model, None) == list(reversed(list(model.blocks)))
+        mixed = nn.ModuleList([Block(8), Block(8), nn.LayerNorm(8)])
+        assert select_shard_targets(mixed, None) == [mixed[1], mixed[0]]  # the class that repeats
+
+    def test_default_may_select_nothing(self) -> None:
+        assert select_shard_targets(RunnerNet(), None) == []
+        assert describe_units([]) == "none"
+        assert describe_units([Block(2), Block(2), nn.Linear(1, 1)]) == "2 x Block, 1 x Linear"
 
     def test_classes_and_names(self) -> None:
         model = Regressor()
@@ -103,7 +132,8 @@ class TestWrap:
         records = [r.getMessage() for r in caplog.records if r.name.startswith("fsdp_wrap")]
         assert len(records) == 1
         assert (
-            "sharded Regressor with FSDP2 on cpu x 1 rank(s): 2 unit(s) plus the root" in records[0]
+            "sharded Regressor with FSDP2 on cpu x 1 rank(s): 2 unit(s) (2 x Block; default "
+            "policy: repeated blocks of nn.ModuleList / nn.Sequential) plus the root" in records[0]
         )
         x = torch.randn(3, 8)
         assert torch.allclose(model(x), reference(x))
@@ -163,11 +193,18 @@ def test_uninitialized_process_group_is_refused() -> None:
 
 
 @pytest.mark.multiprocess
-def test_two_ranks_shard_and_synchronise() -> None:
+@pytest.mark.parametrize("variant", two_rank_backends())
+def test_two_ranks_shard_and_synchronise(variant: tuple[str, int]) -> None:
+    backend, world_size = variant
     from fsdp_wrap_workers import sharded_step
 
-    r0, r1 = run_ranks(sharded_step, world_size=2)
+    r0, r1 = run_ranks(sharded_step, world_size=world_size, backend=backend)
+    # RunnerNet has no blocks: one warning, on rank 0 only, naming the fix.
+    assert len(r0["warnings"]) == 1 and r1["warnings"] == []
+    assert "selected no submodule of RunnerNet: FSDP will hold the whole model" in r0["warnings"][0]
+    assert "shard=['Block']" in r0["warnings"][0]
     for r in (r0, r1):
+        assert r["vit_units"] == 3  # timm-like Sequential of blocks: each its own unit
         assert r["sharded"]
         assert r["local_rows"] == 2  # the (4, 4) weight split by rows over two ranks
     assert r0["grads"] == r1["grads"]

@@ -11,14 +11,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import grad_sync_workers as workers
-from dist_harness import run_ranks
+from dist_harness import run_ranks, two_rank_backends
 from grad_sync import clip_grad_norm, no_sync
 
 
-@pytest.fixture(scope="module")
-def two_ranks() -> list[dict[str, object]]:
-    """Every multi-rank check, run once on 2 gloo ranks with different data per rank."""
-    return run_ranks(workers.everything)
+@pytest.fixture(scope="module", params=two_rank_backends())
+def two_ranks(request: pytest.FixtureRequest) -> list[dict[str, object]]:
+    """Every multi-rank check, run once on 2 ranks (gloo; NCCL where 2 GPUs are visible)
+    with different data per rank."""
+    backend, world_size = request.param
+    return run_ranks(workers.everything, world_size=world_size, backend=backend)
 
 
 @pytest.mark.multiprocess

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dist_harness import fresh_interpreter, run_ranks
+from dist_harness import fresh_interpreter, run_ranks, two_rank_backends
 from distributed_strategy import prepare_model
 from toy_models import Regressor
 
@@ -19,10 +19,12 @@ EXAMPLE = ROOT / "docs" / "examples" / "train.py"
 
 
 @pytest.mark.multiprocess
-def test_ddp_and_fsdp_train_to_the_same_weights() -> None:
+@pytest.mark.parametrize("variant", two_rank_backends())
+def test_ddp_and_fsdp_train_to_the_same_weights(variant: tuple[str, int]) -> None:
+    backend, world_size = variant
     from integration_workers import train_both
 
-    r0, r1 = run_ranks(train_both, world_size=2)
+    r0, r1 = run_ranks(train_both, world_size=world_size, backend=backend)
     for strategy in ("ddp", "fsdp"):
         a, b = r0[strategy], r1[strategy]
         assert a["final"] == b["final"], strategy  # both ranks agree, bit for bit

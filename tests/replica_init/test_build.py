@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import replica_init
+from dist_harness import fresh_interpreter
 from replica_init import (
     build_replicated_model,
     build_replicated_model_from_scratch,
@@ -223,3 +224,29 @@ def test_cuda_parity() -> None:
     reference = ToyNet(**PARAMS).to("cuda:0")
     assert ours.embed.weight.device.type == "cuda"
     assert model_fingerprint(ours) == model_fingerprint(reference)
+
+
+def test_rank0_source_refuses_a_device_that_is_not_current() -> None:
+    """NCCL's object collectives stage on the current device: cuda:1 needs set_device(1)."""
+    out = fresh_interpreter(
+        """
+        import types
+        import torch
+        import torch.distributed as dist
+        from replica_init import build_replicated_model
+
+        fake = types.SimpleNamespace(current_device=lambda: 0)
+        torch.get_device_module = lambda device=None: fake
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            build_replicated_model(
+                torch.nn.Linear, {"in_features": 2, "out_features": 2}, device="cuda:1",
+                default_dtype=torch.float32, seed=0, source="rank0",
+            )
+        except ValueError as error:
+            print(error)
+        dist.destroy_process_group()
+        """
+    )
+    assert "build_replicated_model: device='cuda:1' is not the current cuda device (cuda:0)" in out
+    assert "torch.cuda.set_device(1) first" in out

@@ -3,16 +3,18 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
-from dist_harness import run_ranks
+from dist_harness import run_ranks, two_rank_backends
 from replica_init_workers import replica_checks
 
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.fixture(scope="module")
-def ranks() -> list[dict[str, Any]]:
-    return run_ranks(replica_checks, world_size=2)
+@pytest.fixture(scope="module", params=two_rank_backends())
+def ranks(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    backend, world_size = request.param
+    return run_ranks(replica_checks, world_size=world_size, backend=backend)
 
 
 def test_two_ranks_agree(ranks: list[dict[str, Any]]) -> None:
@@ -56,3 +58,12 @@ def test_rank0_failure_reaches_every_rank(ranks: list[dict[str, Any]]) -> None:
         "RuntimeError: ranks [0] failed to build the model (ValueError: constructor failed on "
         "rank 0); see the traceback on those ranks"
     )
+
+
+def test_coalesced_broadcast_gives_rank0_bits(ranks: list[dict[str, Any]]) -> None:
+    received = ranks[1]["coalesced"]
+    assert received == ranks[0]["coalesced"]
+    assert received[0] == [0.5] * 3
+    assert received[1] == list(range(40))
+    assert received[2] == [True, False]
+    assert received[5] == (torch.arange(12.0).reshape(3, 4).t()).tolist()

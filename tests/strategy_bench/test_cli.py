@@ -88,12 +88,16 @@ def test_run_smoke(tmp_path: Path) -> None:
         assert row["tokens_per_s"] == pytest.approx(row["samples_per_s"] * 64)
         assert len(row["step_ms"]) == 2
         assert len(row["peak_mem_per_rank"]) == 2 and row["peak_mem_bytes"] > 0
+        assert row["peak_reserved_bytes"] == row["peak_mem_bytes"]  # CPU: both are the RSS
+        assert len(row["wrap_cold_ms_all"]) == len(row["raw_wrap_cold_ms_all"]) == 3
+        assert row["wrap_cold_ms"] in row["wrap_cold_ms_all"]  # the median of 3
         assert row["mfu"] is None  # CPU
     read_results(out / "results.json")  # the schema check accepts it
     for name in ("throughput", "wrap_overhead", "memory", "step_spread", "init_time"):
         assert_png(out / f"{name}.png")
     assert "[1/2] ddp tiny" in done.stderr and "[2/2] fsdp tiny" in done.stderr
     assert "FSDP/DDP throughput" in done.stdout and "step ms (p10-p90)" in done.stdout
+    assert "peak MiB alloc/reserved" in done.stdout
 
     compare = tmp_path / "compare"
     replot = bench(

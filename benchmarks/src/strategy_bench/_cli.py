@@ -62,7 +62,11 @@ def _parser() -> argparse.ArgumentParser:
         "--memory-budget",
         default=None,
         metavar="SIZE",
-        help="the recommendation must fit this peak memory per rank (e.g. 40GiB, 512MiB)",
+        help=(
+            "the recommendation must fit this peak memory per rank (e.g. 40GiB, 512MiB), "
+            "applied to the allocator's reserved peak; leave room for the CUDA context and "
+            "NCCL's buffers, which no allocator statistic shows"
+        ),
     )
     plot = commands.add_parser("plot", help="redraw plots from results files, side by side")
     plot.add_argument("results", nargs="+", type=Path, metavar="RESULTS.json")
@@ -153,6 +157,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _report(plan, extra)
 
 
+def _cuda_bf16() -> bool:
+    """Whether this rank's GPU computes in bfloat16 (compute capability 8.0 or newer).
+
+    Asked of the device properties, not through ``torch.cuda.is_bf16_supported()``: that
+    one may allocate a probe tensor on the current device, and before ``set_device`` that is
+    cuda:0 in every rank (a CUDA context on one GPU for every rank).
+    """
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
 def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
     device = _resolve_device(args.device)
     world = _world_size(args.world_size, device)
@@ -165,12 +180,12 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         raise BenchUsageError(f"--warmup must be >= 0, got {args.warmup}")
     if args.seq_len is not None and args.seq_len < 2:
         raise BenchUsageError(f"--seq-len must be >= 2, got {args.seq_len}")
-    if args.dtype == "bf16" and device == "cuda" and not torch.cuda.is_bf16_supported():
+    if args.dtype == "bf16" and device == "cuda" and not _cuda_bf16():
         raise BenchUsageError("--dtype bf16 but this GPU does not support bfloat16; use fp32")
     workloads = _workloads(args, device)
     extra: dict[str, Any] = {"command": args.command}
     if args.command == "sweep":
-        bf16 = device == "cpu" or torch.cuda.is_bf16_supported()
+        bf16 = device == "cpu" or _cuda_bf16()
         configs = sweep_configs(len(workloads), bf16)
         extra["memory_budget"] = (
             None if args.memory_budget is None else parse_memory(args.memory_budget)

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -38,10 +39,14 @@ def launch(plan: Plan, *, timeout_s: float | None = None, addr: str = "127.0.0.1
     ``plan.world_size`` ranks spawned on this machine (rendezvous on ``addr``), so that no
     point inherits another's memory (process RSS never shrinks) or warm caches, and a
     watchdog ends the run within a second of any rank failing, printing that rank's
-    traceback. The whole run ends after ``timeout_s`` at most.
+    traceback. The whole run ends after ``timeout_s`` at most: here by the watchdog, under
+    ``torchrun`` by a timer in each rank that ends its process (torchrun then stops the
+    others).
     """
     if under_torchrun():
         configure_logging()
+        if timeout_s is not None:
+            _exit_after(timeout_s)
         run_rank(
             plan,
             rank=int(os.environ["RANK"]),
@@ -53,6 +58,22 @@ def launch(plan: Plan, *, timeout_s: float | None = None, addr: str = "127.0.0.1
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with tempfile.TemporaryDirectory(prefix="strategy-bench-points-") as scratch:
         return _each_point(plan, Path(scratch), deadline, addr)
+
+
+def _exit_after(timeout_s: float) -> None:
+    """End this process after ``timeout_s`` seconds (a daemon timer; it dies with the run)."""
+
+    def expire() -> None:
+        sys.stderr.write(
+            f"strategy-bench: timed out (--timeout {timeout_s:g} s) on rank "
+            f"{os.environ.get('RANK', '?')}\n"
+        )
+        sys.stderr.flush()
+        os._exit(1)
+
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
+    timer.start()
 
 
 def _each_point(plan: Plan, scratch: Path, deadline: float | None, addr: str) -> int:

@@ -92,23 +92,50 @@ def _wrap(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
     """Time our wrapper against raw torch on copies of ``model``: cold, then warm."""
     strategy, knobs, device = point.strategy, point.knobs, point.device
 
-    def wrap_copy(which: str, group: dist.ProcessGroup | None = None) -> float:
+    def wrap_copy(which: str, *, cold: bool = False) -> float:
         wrap = _wrappers.ours if which == "ours" else _wrappers.raw
         gc.collect()  # the previous wrapper's reference cycles must not be freed in the timing
         fresh = [copy.deepcopy(model)]  # a list, so that the copy is freed with it
-        elapsed, _ = timed_ms(lambda: wrap(strategy, fresh.pop(), device, knobs, group), device)
+        groups: list[dist.ProcessGroup] = []
+
+        def run() -> None:
+            if cold:  # the group's setup (NCCL communicator included) is part of a cold wrap
+                groups.append(dist.new_group())
+            wrap(strategy, fresh.pop(), device, knobs, groups[0] if groups else None)
+
+        try:
+            elapsed, _ = timed_ms(run, device)
+        finally:
+            for group in groups:  # a sweep under torchrun would pile up communicators
+                dist.destroy_process_group(group)
         return elapsed
 
-    out["raw_wrap_cold_ms"] = wrap_copy("raw", dist.new_group())
-    out["wrap_cold_ms"] = wrap_copy("ours", dist.new_group())
+    # Cold: alternating which goes first (raw, ours, ours, raw, ...), each on a new group.
+    cold: dict[str, list[float]] = {"ours": [], "raw": []}
+    for which in _alternating(2 * COLD_SAMPLES):
+        cold[which].append(wrap_copy(which, cold=True))
+    out["wrap_cold_ms"] = statistics.median(cold["ours"])
+    out["raw_wrap_cold_ms"] = statistics.median(cold["raw"])
+    out["wrap_cold_ms_all"] = cold["ours"]
+    out["raw_wrap_cold_ms_all"] = cold["raw"]
     warm: dict[str, list[float]] = {"ours": [], "raw": []}
     repeats = 2 * point.options.wrap_repeats
-    for which in itertools.islice(itertools.cycle(("raw", "ours")), repeats):
+    for which in _alternating(repeats):
         warm[which].append(wrap_copy(which))
     out["wrap_ms"] = statistics.median(warm["ours"])
     out["raw_wrap_ms"] = statistics.median(warm["raw"])
     out["wrap_ms_all"] = warm["ours"]
     out["raw_wrap_ms_all"] = warm["raw"]
+
+
+COLD_SAMPLES = 3
+"""Cold wraps per side and point."""
+
+
+def _alternating(count: int) -> list[str]:
+    """``raw, ours, ours, raw, raw, ours, ...``: each side goes first in every other pair."""
+    pairs = [("raw", "ours") if i % 2 == 0 else ("ours", "raw") for i in range(count // 2)]
+    return [which for pair in pairs for which in pair]
 
 
 def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
@@ -138,6 +165,7 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
     with PeakMemory(device) as memory:
         out["step_ms"] = time_steps(step, steps=options.steps, warmup=options.warmup, device=device)
     out["peak_mem_bytes"] = memory.peak
+    out["peak_reserved_bytes"] = memory.reserved
 
 
 def measure_peak_flops(device: torch.device, size: int = 8192, repeats: int = 10) -> float | None:

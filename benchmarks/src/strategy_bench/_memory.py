@@ -23,12 +23,16 @@ def current_rss() -> int:
 class PeakMemory:
     """Context manager measuring peak memory while the block runs.
 
-    On a CUDA device: ``torch.cuda.max_memory_allocated`` after resetting the peak on entry.
-    On CPU: the largest resident set size sampled every ``interval`` seconds by a background
-    thread (and at both ends), so it includes everything the process holds.
+    On a CUDA device: ``torch.cuda.max_memory_allocated`` (``peak``) and
+    ``max_memory_reserved`` (``reserved``: what the caching allocator held from the device,
+    fragmentation included) after resetting both peaks on entry. Neither counts the CUDA
+    context or NCCL's buffers. On CPU: the largest resident set size sampled every
+    ``interval`` seconds by a background thread (and at both ends), so it includes everything
+    the process holds; ``reserved`` is the same figure.
 
     Attributes:
         peak: The peak in bytes, set on exit.
+        reserved: The peak reserved by the allocator in bytes, set on exit.
         start: Memory in use on entry, in bytes.
     """
 
@@ -36,6 +40,7 @@ class PeakMemory:
         self.device = device
         self.interval = interval
         self.peak = 0
+        self.reserved = 0
         self.start = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -60,11 +65,12 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device)
+            self.reserved = torch.cuda.max_memory_reserved(self.device)
             return
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.peak = max(self.peak, current_rss())
+        self.peak = self.reserved = max(self.peak, current_rss())
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval):

@@ -101,6 +101,8 @@ def merge_ranks(
         "wrap_overhead": wrap_ms / raw_wrap_ms if raw_wrap_ms > 0 else None,
         "wrap_cold_ms": max(r["wrap_cold_ms"] for r in per_rank),
         "raw_wrap_cold_ms": max(r["raw_wrap_cold_ms"] for r in per_rank),
+        "wrap_cold_ms_all": _slowest_rank(per_rank, "wrap_cold_ms_all"),
+        "raw_wrap_cold_ms_all": _slowest_rank(per_rank, "raw_wrap_cold_ms_all"),
         "step_ms_median": stats["median"],
         "step_ms_p10": stats["p10"],
         "step_ms_p90": stats["p90"],
@@ -109,9 +111,16 @@ def merge_ranks(
         "tokens_per_s": None if tokens_per_sample is None else samples_per_s * tokens_per_sample,
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in per_rank),
         "peak_mem_per_rank": [r["peak_mem_bytes"] for r in per_rank],
+        "peak_reserved_bytes": max(r["peak_reserved_bytes"] for r in per_rank),
+        "peak_reserved_per_rank": [r["peak_reserved_bytes"] for r in per_rank],
         "mfu": mfu,
     }
     return row
+
+
+def _slowest_rank(per_rank: Sequence[Mapping[str, Any]], key: str) -> list[float]:
+    """Sample by sample, the slowest rank's value (a wrap ends when the last rank ends it)."""
+    return [max(values) for values in zip(*(r[key] for r in per_rank), strict=True)]
 
 
 def write_results(

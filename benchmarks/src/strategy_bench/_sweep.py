@@ -81,6 +81,16 @@ def parse_memory(text: str) -> int:
     return int(value)
 
 
+def budgeted(row: Mapping[str, Any]) -> int:
+    """The per-rank memory that ``--memory-budget`` is applied to, in bytes.
+
+    The allocator's reserved peak (what the device must have free, fragmentation included),
+    or the allocated peak in rows without it (schema 1).
+    """
+    value = row.get("peak_reserved_bytes")
+    return int(row["peak_mem_bytes"] if value is None else value)
+
+
 def recommend(
     rows: Sequence[Mapping[str, Any]], memory_budget: int | None
 ) -> tuple[dict[str, Any], Mapping[str, Any], str] | None:
@@ -90,9 +100,7 @@ def recommend(
         ``(section, row, reason)``, or ``None`` when no measured point fits. The section is
         validated by ``DistributedConfig.from_mapping`` and holds every field.
     """
-    fitting = [
-        row for row in rows if memory_budget is None or row["peak_mem_bytes"] <= memory_budget
-    ]
+    fitting = [row for row in rows if memory_budget is None or budgeted(row) <= memory_budget]
     if not fitting:
         return None
     best = max(fitting, key=lambda row: row["samples_per_s"])
@@ -101,7 +109,7 @@ def recommend(
     reason = (
         f"fastest of {len(fitting)} point(s)"
         + ("" if memory_budget is None else f" within {memory_budget / 2**20:.0f} MiB per rank")
-        + f": {best['samples_per_s']:.1f} samples/s at {best['peak_mem_bytes'] / 2**20:.0f} MiB"
+        + f": {best['samples_per_s']:.1f} samples/s at {budgeted(best) / 2**20:.0f} MiB reserved"
     )
     if runner_up:
         ratio = best["samples_per_s"] / runner_up[0]["samples_per_s"]

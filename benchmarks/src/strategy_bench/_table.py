@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from strategy_bench._sweep import budgeted
+
 
 def summary_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """A fixed-width text table, one line per configuration."""
@@ -17,7 +19,7 @@ def summary_table(rows: Sequence[Mapping[str, Any]]) -> str:
         "tokens/s",
         "wrap ms ours/raw",
         "init ms local/rank0",
-        "peak MiB",
+        "peak MiB alloc/reserved",
         "MFU",
     )
     lines = [header]
@@ -39,7 +41,7 @@ def summary_table(rows: Sequence[Mapping[str, Any]]) -> str:
                 if row["raw_wrap_ms"]
                 else "-",
                 f"{row['init_ms']:.0f}/" + ("-" if rank0 is None else f"{rank0:.0f}"),
-                f"{row['peak_mem_bytes'] / 2**20:.0f}",
+                f"{row['peak_mem_bytes'] / 2**20:.0f}/{budgeted(row) / 2**20:.0f}",
                 "-" if mfu is None else f"{100 * mfu:.1f}%",
             )
         )

@@ -35,7 +35,8 @@ def time_steps(
 ) -> list[float]:
     """Run ``warmup`` untimed then ``steps`` timed calls of ``step``; milliseconds per step.
 
-    On CUDA each step is timed with CUDA events (no host sync inside the loop). Elsewhere
+    On CUDA each step is timed with CUDA events (no host sync inside the loop), after a
+    barrier so that every rank starts the loop together. Elsewhere
     every rank meets at a barrier before each step and the step ends at a barrier too, so the
     wall-clock time is the slowest rank's step.
     """
@@ -49,6 +50,8 @@ def time_steps(
             )
             for _ in range(steps)
         ]
+        torch.cuda.synchronize(device)
+        dist.barrier()  # every rank starts the timed steps together: step 0 absorbs no skew
         torch.cuda.synchronize(device)
         for start, end in events:
             start.record()

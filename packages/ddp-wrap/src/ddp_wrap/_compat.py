@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import inspect
-import itertools
 import warnings
-from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
-from torch.nn.modules import module as _module_impl
 from torch.nn.parallel import DistributedDataParallel
 
 _DDP = TypeVar("_DDP", bound=DistributedDataParallel)
@@ -40,27 +38,13 @@ def construct_ddp(
         return cls(module, broadcast_buffers=False, **kwargs)
 
 
-_GLOBAL_PRE_HOOKS: dict[Any, Any] | None = getattr(_module_impl, "_global_forward_pre_hooks", None)
-_HOOK_IDS = itertools.count(-1, -1)  # negative: never collides with RemovableHandle ids
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", None)
 
 
-def add_global_forward_pre_hook(hook: Callable[[Any, Any], None]) -> Any:
-    """Run ``hook`` before every module forward in the process; returns a key for removal.
+def in_backward() -> bool:
+    """Whether autograd's engine is running a backward pass in this thread.
 
-    Inserting into torch's global hook table directly costs a fraction of
-    ``register_module_forward_pre_hook`` (which builds a ``RemovableHandle``); that matters
-    because it happens on every delegated method call. Falls back to the public function.
+    Activation checkpointing recomputes forwards there, under grad, outside DDP's forward.
+    torch has no public spelling of this; without the private one, report ``False``.
     """
-    if _GLOBAL_PRE_HOOKS is None:  # pragma: no cover - torch without the module-level table
-        return _module_impl.register_module_forward_pre_hook(hook)
-    key = next(_HOOK_IDS)
-    _GLOBAL_PRE_HOOKS[key] = hook
-    return key
-
-
-def remove_global_forward_pre_hook(key: Any) -> None:
-    """Remove a hook added by :func:`add_global_forward_pre_hook`."""
-    if _GLOBAL_PRE_HOOKS is None:  # pragma: no cover
-        key.remove()
-    else:
-        _GLOBAL_PRE_HOOKS.pop(key, None)
+    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_wrap import _compat
+from ddp_wrap._bypass import IN_FORWARD, watch_trainable_submodules
 from dist_core import check_forward_methods
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -29,9 +28,11 @@ class DelegatingDistributedDataParallel(DistributedDataParallel):
 
     * Methods marked as forward methods (``forward_methods=`` or :func:`mark_forward_method`)
       run through DDP's forward, so their gradients are synchronised like ``wrapper(...)``'s.
-    * Bypass detection (``detect_bypass=True``): a delegated method that runs the forward of a
-      submodule with trainable parameters while grad is enabled, outside DDP's forward, raises
-      ``RuntimeError``. Under ``torch.no_grad()`` / ``inference_mode()`` it is allowed.
+    * Bypass detection (``detect_bypass=True``): a submodule with trainable parameters of its
+      own that runs its forward while grad is enabled, outside DDP's forward, raises
+      ``RuntimeError``, however it was reached (``ddp.body(x)``, ``ddp.body.layer1(x)``, a
+      delegated method, ``ddp.module.body(x)``). Allowed under ``torch.no_grad()`` /
+      ``inference_mode()`` and in activation checkpointing's recompute during backward.
     * Trainable guard (``check_trainable=True``): if the set of parameters that require grad
       changes after the wrap (DDP's reducer never sees that), the next forward raises.
 
@@ -40,7 +41,7 @@ class DelegatingDistributedDataParallel(DistributedDataParallel):
         *args: Positional arguments of ``DistributedDataParallel``.
         forward_methods: Names of the module's methods to route through DDP's forward.
         check_trainable: Enable the trainable guard.
-        detect_bypass: Enable bypass detection for delegated methods.
+        detect_bypass: Enable bypass detection.
         **kwargs: Keyword arguments of ``DistributedDataParallel``.
     """
 
@@ -59,9 +60,9 @@ class DelegatingDistributedDataParallel(DistributedDataParallel):
         state = self.__dict__
         state["_ddp_wrap_params"] = params
         state["_ddp_wrap_trainable"] = tuple(map(_REQUIRES_GRAD, params))
-        state["_ddp_wrap_detect"] = detect_bypass
+        watch = watch_trainable_submodules(self, module) if detect_bypass else None
+        state["_ddp_wrap_watch"] = watch
         state["_ddp_wrap_forward_methods"] = {}
-        state["_ddp_wrap_index"] = None
         state["_ddp_wrap_in_forward"] = 0
         state["_ddp_wrap_ready"] = True  # from here on, reads and writes may delegate
         for name in names:
@@ -89,12 +90,6 @@ class DelegatingDistributedDataParallel(DistributedDataParallel):
                 f"neither {type(self).__name__} nor the wrapped {type(module).__name__} has an "
                 f"attribute '{name}'"
             ) from None
-        if (
-            state["_ddp_wrap_detect"]
-            and callable(value)
-            and not isinstance(value, nn.Module | type)
-        ):
-            return _GuardedMethod(self, name, value)
         return value
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -109,10 +104,11 @@ class DelegatingDistributedDataParallel(DistributedDataParallel):
     def __dir__(self) -> Iterable[str]:
         return sorted(set(super().__dir__()) | set(dir(self.module)))  # type: ignore[no-untyped-call]
 
-    def __getstate__(self) -> dict[str, Any]:
-        state: dict[str, Any] = super().__getstate__()  # type: ignore[no-untyped-call]
-        state["_ddp_wrap_index"] = None  # holds object ids, rebuilt lazily after unpickling
-        return state
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)  # type: ignore[no-untyped-call]
+        watch = self.__dict__.get("_ddp_wrap_watch")
+        if watch is not None:
+            watch.bind(self)  # the unpickled hooks watch for this wrapper
 
     # --- forward and the trainable guard --------------------------------------------------
 
@@ -122,11 +118,18 @@ class DelegatingDistributedDataParallel(DistributedDataParallel):
         params = state["_ddp_wrap_params"]
         if params and tuple(map(_REQUIRES_GRAD, params)) != state["_ddp_wrap_trainable"]:
             self._raise_trainable_changed()
+        watch = state["_ddp_wrap_watch"]
+        if watch is not None:
+            watch.detach()  # no bypass hook runs inside DDP's forward
         state["_ddp_wrap_in_forward"] += 1
+        IN_FORWARD[0] += 1
         try:
             return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
         finally:
+            IN_FORWARD[0] -= 1
             state["_ddp_wrap_in_forward"] -= 1
+            if watch is not None and not state["_ddp_wrap_in_forward"]:
+                watch.attach()
 
     def _raise_trainable_changed(self) -> None:
         names = {id(p): n for n, p in self.module.named_parameters()}
@@ -148,15 +151,6 @@ class DelegatingDistributedDataParallel(DistributedDataParallel):
             "synchronised correctly. Apply the trainable policy before wrapping (or wrap "
             "again); check_trainable=False turns this check off"
         )
-
-    # --- bypass detection -----------------------------------------------------------------
-
-    def _module_index(self) -> dict[int, str]:
-        index: dict[int, str] | None = self.__dict__["_ddp_wrap_index"]
-        if index is None:
-            index = {id(m): n or "<root>" for n, m in self.module.named_modules()}
-            self.__dict__["_ddp_wrap_index"] = index
-        return index
 
 
 class _ForwardMethod:
@@ -191,50 +185,6 @@ class _ForwardMethod:
 
     def __repr__(self) -> str:
         return f"<forward method {self._name!r} of {type(self._wrapper.module).__name__} via DDP>"
-
-
-class _GuardedMethod:
-    """A delegated callable; while it runs, trainable submodule forwards under grad raise."""
-
-    __slots__ = ("_fn", "_name", "_wrapper")
-
-    def __init__(
-        self, wrapper: DelegatingDistributedDataParallel, name: str, fn: Callable[..., Any]
-    ) -> None:
-        self._wrapper = wrapper
-        self._name = name
-        self._fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        key = _compat.add_global_forward_pre_hook(self._check)
-        try:
-            return self._fn(*args, **kwargs)
-        finally:
-            _compat.remove_global_forward_pre_hook(key)
-
-    def _check(self, module: nn.Module, _args: Any) -> None:
-        if not torch.is_grad_enabled() or self._wrapper.__dict__["_ddp_wrap_in_forward"]:
-            return
-        name = self._wrapper._module_index().get(id(module))
-        if name is None:
-            return
-        if not any(p is not None and p.requires_grad for p in module._parameters.values()):
-            return
-        wrapped = type(self._wrapper.module).__name__
-        raise RuntimeError(
-            f"{wrapped}.{self._name}() ran the forward of submodule '{name}' "
-            f"({type(module).__name__}), which has trainable parameters, outside DDP's forward "
-            "while grad is enabled: its gradients would not be synchronised across ranks. "
-            f"Route it through DDP with mark_forward_method(model, '{self._name}') or "
-            f"wrap_module_ddp(..., forward_methods=['{self._name}']), or call it under "
-            "torch.no_grad() if no gradient is needed"
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._fn, name)
-
-    def __repr__(self) -> str:
-        return f"<guarded {self._fn!r}>"
 
 
 def mark_forward_method(wrapped: DistributedDataParallel, name: str) -> None:

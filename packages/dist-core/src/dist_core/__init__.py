@@ -7,7 +7,13 @@ data-parallel wrap, and what a model is wrapped in.
 from __future__ import annotations
 
 from dist_core._checks import check_forward_methods, check_wrap_preconditions
-from dist_core._devices import DeviceLike, accelerator_type, require_device_index, resolve_device
+from dist_core._devices import (
+    DeviceLike,
+    accelerator_type,
+    require_current_device,
+    require_device_index,
+    resolve_device,
+)
 from dist_core._group import is_distributed, log_rank0, rank, require_process_group, world_size
 from dist_core._wrapped import (
     Strategy,
@@ -27,6 +33,7 @@ __all__ = [
     "is_distributed",
     "log_rank0",
     "rank",
+    "require_current_device",
     "require_device_index",
     "require_process_group",
     "resolve_device",

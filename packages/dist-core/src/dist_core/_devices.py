@@ -78,3 +78,31 @@ def require_device_index(device: torch.device, *, caller: str, argument: str = "
             f"{device.type.upper()} device such as '{device.type}:0' (this rank's device, "
             f"usually {device.type}:LOCAL_RANK), got {str(device)!r}"
         )
+
+
+def require_current_device(device: torch.device, *, caller: str, argument: str = "device") -> None:
+    """Refuse an accelerator device that is not this process's current device.
+
+    Collectives on NCCL that stage tensors of their own (``all_gather_object``,
+    ``broadcast_object_list``, ``init_device_mesh``, FSDP2's allocations) use the current
+    device, not the one passed: ``device="cuda:3"`` without ``torch.cuda.set_device(3)`` would
+    put every rank's buffers on cuda:0 (an error, or a hang).
+
+    Args:
+        device: A resolved device; CPU and meta devices always pass.
+        caller: The public function named in the message.
+        argument: The argument named in the message.
+
+    Raises:
+        ValueError: If ``device`` has an index other than the current device's.
+    """
+    if device.type in ("cpu", "meta") or device.index is None:
+        return
+    current = torch.get_device_module(device.type).current_device()
+    if device.index != current:
+        raise ValueError(
+            f"{caller}: {argument}={str(device)!r} is not the current {device.type} device "
+            f"({device.type}:{current}); collectives stage their buffers on the current device, "
+            f"so call torch.{device.type}.set_device({device.index}) first (usually "
+            f"set_device(LOCAL_RANK) right after the process starts)"
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from torch import nn
@@ -17,10 +18,21 @@ def select_shard_targets(module: nn.Module, shard: ShardPolicy | None) -> list[n
     ``fully_shard`` must be applied bottom-up, so the list is in reverse pre-order: a selected
     module always comes after every selected module inside it.
 
+    The default (``shard=None``):
+
+    1. The classes that the model declares unsplittable: the names in ``_no_split_modules``
+       (Hugging Face transformers) of the model or any submodule, where they match.
+    2. Otherwise the repeated blocks: in every ``nn.ModuleList`` and ``nn.Sequential``, the
+       children whose class occurs at least twice there; in an ``nn.Sequential`` only
+       children made of submodules themselves (``Sequential(Linear, GELU, Linear)`` is one
+       MLP, not a list of blocks).
+
+    Either way only submodules that hold parameters are selected.
+
     Args:
         module: The root module.
-        shard: ``None``: each member of every ``nn.ModuleList`` (transformer blocks). A callable
-            ``(submodule) -> bool``. Or a sequence of classes and/or class names.
+        shard: ``None`` for the default rule above. A callable ``(submodule) -> bool``. Or
+            a sequence of classes and/or class names.
 
     Returns:
         The selected submodules, each once.
@@ -31,22 +43,27 @@ def select_shard_targets(module: nn.Module, shard: ShardPolicy | None) -> list[n
         ValueError: If a class name in ``shard`` matches no submodule (the names present are
             listed, with the closest one).
     """
-    named = [(name, sub) for name, sub in module.named_modules() if sub is not module]
+    return select_with_rule(module, shard)[0]
+
+
+def select_with_rule(module: nn.Module, shard: ShardPolicy | None) -> tuple[list[nn.Module], str]:
+    """:func:`select_shard_targets`, plus a short description of the rule, for the log."""
     if shard is None:
-        lists = [sub for _, sub in named if isinstance(sub, nn.ModuleList)]
-        members = {id(child) for lst in lists for child in lst.children()}
-        chosen = [sub for _, sub in named if id(sub) in members]
-    elif callable(shard) and not isinstance(shard, type):
+        chosen, rule = _default_units(module)
+        return list(reversed(chosen)), f"default policy: {rule}"
+    named = [(name, sub) for name, sub in module.named_modules() if sub is not module]
+    if callable(shard) and not isinstance(shard, type):
         chosen = [sub for _, sub in named if shard(sub)]
     elif isinstance(shard, Sequence) and not isinstance(shard, str | bytes):
-        chosen = [sub for _, sub in named if _matches(sub, _check_entries(shard, named))]
+        entries = _check_entries(shard, named)
+        chosen = [sub for _, sub in named if _matches(sub, entries)]
     else:
         raise TypeError(
             "shard must be None, a callable (submodule) -> bool, or a sequence of classes or "
             f"class names, got {type(shard).__name__} ({shard!r}); e.g. shard=['Block'] or "
             "shard=[Block]"
         )
-    return list(reversed(chosen))
+    return list(reversed(chosen)), "shard="
 
 
 def _check_entries(
@@ -78,3 +95,49 @@ def _check_entries(
 def _matches(sub: nn.Module, entries: tuple[tuple[type[nn.Module], ...], frozenset[str]]) -> bool:
     classes, names = entries
     return isinstance(sub, classes) or type(sub).__name__ in names
+
+
+def _default_units(module: nn.Module) -> tuple[list[nn.Module], str]:
+    """What ``shard=None`` selects (see :func:`select_shard_targets`), in pre-order, and why."""
+    named = [(name, sub) for name, sub in module.named_modules() if sub is not module]
+    declared = _declared_unsplittable(module)
+    if declared:
+        chosen = [sub for _, sub in named if type(sub).__name__ in declared and _has_params(sub)]
+        if chosen:
+            return chosen, f"_no_split_modules {sorted(declared)}"
+    repeated: set[int] = set()
+    for container in module.modules():
+        if not isinstance(container, _BLOCK_LISTS):
+            continue
+        children = list(container.children())
+        counts = Counter(type(child) for child in children)
+        for child in children:
+            if counts[type(child)] < 2 or not _has_params(child):
+                continue
+            if isinstance(container, nn.Sequential) and next(child.children(), None) is None:
+                continue
+            repeated.add(id(child))
+    chosen = [sub for _, sub in named if id(sub) in repeated]
+    return chosen, "repeated blocks of nn.ModuleList / nn.Sequential"
+
+
+def describe_units(units: Sequence[nn.Module]) -> str:
+    """``"12 x Block, 1 x Head"``: the selected units by class, most common first."""
+    counts = Counter(type(unit).__name__ for unit in units)
+    return ", ".join(f"{n} x {name}" for name, n in counts.most_common()) or "none"
+
+
+def _declared_unsplittable(module: nn.Module) -> frozenset[str]:
+    names: set[str] = set()
+    for sub in module.modules():
+        declared = getattr(sub, "_no_split_modules", None)
+        if isinstance(declared, list | tuple | set | frozenset):
+            names.update(entry for entry in declared if isinstance(entry, str))
+    return frozenset(names)
+
+
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+_BLOCK_LISTS = (nn.ModuleList, nn.Sequential)

@@ -11,8 +11,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-from dist_core import DeviceLike, check_forward_methods, check_wrap_preconditions, log_rank0
-from fsdp_wrap._policy import ShardPolicy, select_shard_targets
+from dist_core import (
+    DeviceLike,
+    check_forward_methods,
+    check_wrap_preconditions,
+    log_rank0,
+    require_current_device,
+)
+from fsdp_wrap._policy import ShardPolicy, describe_units, select_with_rule
 from fsdp_wrap._precision import mixed_precision_policy
 
 logger = logging.getLogger(__name__)
@@ -44,8 +50,10 @@ def wrap_module_fsdp(
         module: The model, already on ``device``, with its trainable policy applied.
         device: This rank's device (``torch.device``, string, or CUDA index). For CUDA it
             must be the current device (``torch.cuda.set_device(local_rank)`` first).
-        shard: Which submodules get their own FSDP unit: ``None`` for each member of every
-            ``nn.ModuleList``; a callable ``(submodule) -> bool``; or classes / class names.
+        shard: Which submodules get their own FSDP unit: ``None`` for the default rule
+            (the model's ``_no_split_modules``, else the repeated blocks of every
+            ``nn.ModuleList`` / ``nn.Sequential``; see :func:`select_shard_targets`); a
+            callable ``(submodule) -> bool``; or classes / class names.
         reshard_after_forward: Free the unsharded parameters after forward (re-gathered in
             backward): less memory, one more all-gather per unit.
         param_dtype: Mixed precision compute dtype: ``"bf16"``, ``"fp16"``, ``"fp32"`` (or a
@@ -74,8 +82,21 @@ def wrap_module_fsdp(
     policy = mixed_precision_policy(param_dtype, reduce_dtype)
     names = check_forward_methods(module, forward_methods, wrapper="FSDP")
     mesh = _resolve_mesh(mesh, target)
-    targets = select_shard_targets(module, shard)
-    model_name = type(module).__name__  # before fully_shard swaps the class
+    targets, rule = select_with_rule(module, shard)
+    model_name = type(module).__name__  # before fully_shard swaps the classes
+    units = describe_units(targets)
+    if not targets:
+        log_rank0(
+            logger,
+            logging.WARNING,
+            "the shard policy (%s) selected no submodule of %s: FSDP will hold the whole model "
+            "as one unit, gathered in full for every forward and backward, which saves no "
+            "memory over DDP. Name the blocks to shard, e.g. wrap_module_fsdp(..., "
+            "shard=['Block']) or shard=lambda m: isinstance(m, Block) (prepare_model takes "
+            "the same shard=)",
+            rule,
+            model_name,
+        )
     for sub in targets:
         fully_shard(sub, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
@@ -84,12 +105,14 @@ def wrap_module_fsdp(
     log_rank0(
         logger,
         logging.INFO,
-        "sharded %s with FSDP2 on %s x %d rank(s): %d unit(s) plus the root, "
+        "sharded %s with FSDP2 on %s x %d rank(s): %d unit(s) (%s; %s) plus the root, "
         "reshard_after_forward=%s, param_dtype=%s, reduce_dtype=%s, forward methods %s",
         model_name,
         target.type,
         dist.get_world_size(),
         len(targets),
+        units,
+        rule,
         reshard_after_forward,
         policy.param_dtype,
         policy.reduce_dtype,
@@ -99,14 +122,7 @@ def wrap_module_fsdp(
 
 
 def _resolve_mesh(mesh: DeviceMesh | None, target: torch.device) -> DeviceMesh:
-    if target.type != "cpu":
-        current = torch.get_device_module(target.type).current_device()
-        if target.index != current:
-            raise ValueError(
-                f"device={str(target)!r} is not the current {target.type} device "
-                f"({target.type}:{current}); FSDP2 allocates on the current device, so call "
-                f"torch.{target.type}.set_device({target.index}) before wrapping"
-            )
+    require_current_device(target, caller="wrap_module_fsdp")
     if mesh is None:
         return init_device_mesh(target.type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):

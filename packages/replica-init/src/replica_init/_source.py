@@ -10,7 +10,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_core import DeviceLike, require_process_group, resolve_device
+from dist_core import (
+    DeviceLike,
+    require_current_device,
+    require_process_group,
+    resolve_device,
+)
+from replica_init._broadcast import broadcast_coalesced
 from replica_init._build import (
     ModelFactory,
     build_on_meta,
@@ -73,6 +79,7 @@ def build_replicated_model(
     model: nn.Module | None = None
     failure: Exception | None = None
     try:
+        require_current_device(resolve_device(device), caller="build_replicated_model")
         if dist.get_rank(group) == 0:
             model = build_replicated_model_from_scratch(
                 model_cls, init_params, device=device, default_dtype=default_dtype, seed=seed
@@ -87,10 +94,9 @@ def build_replicated_model(
     _check_same_structure(model, failure, group)
     assert model is not None
     src = 0 if group is None else dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for _, tensor in named_state_tensors(model):
-            dist.broadcast(tensor.data, src=src, group=group)
-    logger.debug("replica received from rank %d by broadcast", src)
+    tensors = [tensor.data for _, tensor in named_state_tensors(model)]  # ties listed once
+    broadcast_coalesced(tensors, src=src, group=group)
+    logger.debug("replica received from rank %d: %d tensors, coalesced", src, len(tensors))
     return model
 
 

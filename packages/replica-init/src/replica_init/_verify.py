@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch.distributed as dist
 from torch import nn
 
-from dist_core import require_process_group
+from dist_core import require_current_device, require_process_group
 from replica_init._fingerprint import combine, tensor_digests
 
 
@@ -43,10 +45,17 @@ def assert_replicas_identical(module: nn.Module, *, group: dist.ProcessGroup | N
 
     Raises:
         RuntimeError: If the default process group is not initialized.
+        ValueError: If the module is on an accelerator device other than the current one
+            (object collectives stage there).
         ReplicaMismatchError: If any rank's replica differs; the message names the ranks that
             differ from rank 0 and the first differing tensor, with the ranks on each side.
     """
     require_process_group("assert_replicas_identical")
+    first = next(itertools.chain(module.parameters(), module.buffers()), None)
+    if first is not None:
+        require_current_device(
+            first.device, caller="assert_replicas_identical", argument="the module's device"
+        )
     digests = tensor_digests(module)
     fingerprint = combine(digests)
     fingerprints: list[str] = [""] * dist.get_world_size(group)

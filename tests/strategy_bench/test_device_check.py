@@ -1,0 +1,33 @@
+"""benchmarks/device_check.sh keeps to its time budget and records every step's outcome."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "device_check.sh"
+
+
+def test_budget_is_kept_and_each_step_is_recorded(tmp_path: Path) -> None:
+    """A 16 s budget (10 of them reserved for the summary): the tests step gets what the
+    probe left, no time is left for the bench (skipped), and the script says so with exit
+    code 1."""
+    env = {**os.environ, "OUT": str(tmp_path), "DEVICE": "cpu", "BUDGET": "16"}
+    done = subprocess.run(
+        ["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert summary["budget_s"] == 16 and summary["device"] == "cpu"
+    assert summary["total_s"] <= 16 + 2
+    assert not summary["ok"]
+    names = [s["name"] for s in summary["steps"]]
+    assert names == ["probe", "tests", "bench"]
+    for entry in summary["steps"]:
+        assert entry["status"] in ("ok", "failed", "skipped")
+        assert entry["seconds"] <= entry["limit_s"] + 6
+        if entry["status"] != "skipped":
+            assert (tmp_path / entry["log"]).exists()
+    assert summary["steps"][-1]["status"] == "skipped"  # the budget was spent
