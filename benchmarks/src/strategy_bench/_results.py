@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import platform
+import statistics
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -78,6 +79,8 @@ def merge_ranks(
     mfu = None
     if flops_per_sample is not None and peak_flops:
         mfu = flops_per_sample * samples_per_s / (peak_flops * world)
+    cold = _slowest_rank(per_rank, "wrap_cold_ms_all")
+    raw_cold = _slowest_rank(per_rank, "raw_wrap_cold_ms_all")
     wrap_ms = max(r["wrap_ms"] for r in per_rank)
     raw_wrap_ms = max(r["raw_wrap_ms"] for r in per_rank)
     row: dict[str, Any] = {
@@ -99,10 +102,10 @@ def merge_ranks(
         "wrap_ms": wrap_ms,
         "raw_wrap_ms": raw_wrap_ms,
         "wrap_overhead": wrap_ms / raw_wrap_ms if raw_wrap_ms > 0 else None,
-        "wrap_cold_ms": max(r["wrap_cold_ms"] for r in per_rank),
-        "raw_wrap_cold_ms": max(r["raw_wrap_cold_ms"] for r in per_rank),
-        "wrap_cold_ms_all": _slowest_rank(per_rank, "wrap_cold_ms_all"),
-        "raw_wrap_cold_ms_all": _slowest_rank(per_rank, "raw_wrap_cold_ms_all"),
+        "wrap_cold_ms": statistics.median(cold),
+        "raw_wrap_cold_ms": statistics.median(raw_cold),
+        "wrap_cold_ms_all": cold,
+        "raw_wrap_cold_ms_all": raw_cold,
         "step_ms_median": stats["median"],
         "step_ms_p10": stats["p10"],
         "step_ms_p90": stats["p90"],
