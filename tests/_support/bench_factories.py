@@ -48,3 +48,16 @@ def not_a_module(**_: object) -> str:
 
 def bad_batch(batch_size: int, device: torch.device, generator: torch.Generator) -> int:
     return 42
+
+
+class OomOnRank1(UserNet):
+    """Runs out of memory on rank 1 in forward, as a model too large for a strategy would."""
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        if dist.is_initialized() and dist.get_rank() == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return super().forward(x, scale)
+
+
+def oom_on_rank1(width: int = 16) -> OomOnRank1:
+    return OomOnRank1(width)

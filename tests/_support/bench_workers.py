@@ -13,7 +13,8 @@ from strategy_bench._workload import preset_workload
 
 
 def cold_wrap_groups(rank: int, world_size: int) -> dict[str, Any]:
-    """Run the wrap timings of one point; report the groups made and destroyed (a spy)."""
+    """Measure one FSDP point; report the groups made and destroyed (a spy), and what the
+    point recorded after its cold wraps (its steps and checkpoint ran on DTensors)."""
     made: list[int] = []
     destroyed: list[int] = []
     new_group, destroy = dist.new_group, dist.destroy_process_group
@@ -29,11 +30,13 @@ def cold_wrap_groups(rank: int, world_size: int) -> dict[str, Any]:
 
     dist.new_group, dist.destroy_process_group = spy_new_group, spy_destroy  # type: ignore[assignment]
     try:
-        point = _measure._Point(
-            preset_workload("tiny"), "ddp", {}, RunOptions(wrap_repeats=1), torch.device("cpu")
-        )
-        out: dict[str, Any] = {}
-        _measure._wrap(point, point.workload.factory(**point.workload.init_params), out)
+        options = RunOptions(steps=1, warmup=0, batch_size=2, wrap_repeats=1)
+        out = _measure.measure(preset_workload("tiny"), "fsdp", {}, options, torch.device("cpu"))
     finally:
         dist.new_group, dist.destroy_process_group = new_group, destroy  # type: ignore[assignment]
-    return {"made": made, "destroyed": destroyed, "cold": out["wrap_cold_ms_all"]}
+    return {
+        "made": made,
+        "destroyed": destroyed,
+        "cold": out["wrap_cold_ms_all"],
+        "ckpt_bytes": out["ckpt_bytes"],
+    }

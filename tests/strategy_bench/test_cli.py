@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -61,10 +62,13 @@ def assert_png(path: Path) -> None:
 @pytest.mark.multiprocess
 def test_run_smoke(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    done = bench("run", *QUICK, "--models", "tiny", "--out", str(out))
+    done = bench("run", *QUICK, "--models", "tiny", "--peak-tflops", "0.5", "--out", str(out))
     assert done.returncode == 0, done.stderr
     payload = json.loads((out / "results.json").read_text())
-    assert payload["schema"] == SCHEMA
+    assert payload["schema"] == SCHEMA == 2
+    assert payload["env"]["peak_flops"] == 0.5e12
+    assert payload["env"]["peak_flops_source"] == "--peak-tflops 0.5"
+    assert payload["env"]["matmul_flops"] is None  # measured on CUDA only
     env = payload["env"]
     assert env["backend"] == "gloo" and env["device"] == "cpu" and env["world_size"] == 2
     assert env["torch"] and "git" in env
@@ -91,10 +95,27 @@ def test_run_smoke(tmp_path: Path) -> None:
         assert row["peak_reserved_bytes"] == row["peak_mem_bytes"]  # CPU: both are the RSS
         assert len(row["wrap_cold_ms_all"]) == len(row["raw_wrap_cold_ms_all"]) == 3
         assert row["wrap_cold_ms"] in row["wrap_cold_ms_all"]  # the median of 3
-        assert row["mfu"] is None  # CPU
+        # FLOPs counted over a step of the model agree with the preset's formula.
+        assert row["flops_per_sample"] == pytest.approx(row["analytic_flops_per_sample"], rel=0.05)
+        assert row["mfu"] == pytest.approx(row["achieved_flops_per_rank"] / 0.5e12)
+        assert row["mfu_vs_matmul"] is None
     read_results(out / "results.json")  # the schema check accepts it
-    for name in ("throughput", "wrap_overhead", "memory", "step_spread", "init_time"):
+    for name in (
+        "throughput",
+        "wrap_overhead",
+        "memory",
+        "step_spread",
+        "init_time",
+        "memory_breakdown",
+        "checkpoint",
+    ):
         assert_png(out / f"{name}.png")
+    report = (out / "report.md").read_text()
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report)
+    assert len(images) == 7 and all((out / image).exists() for image in images)
+    assert "- `tiny`: FSDP ran at " in report
+    assert "x DDP's bytes per step" in report and "% of static memory per rank" in report
+    assert "0.5 TFLOP/s per rank (--peak-tflops 0.5)" in report
     assert "[1/2] ddp tiny" in done.stderr and "[2/2] fsdp tiny" in done.stderr
     assert "FSDP/DDP throughput" in done.stdout and "step ms (p10-p90)" in done.stdout
     assert "peak MiB alloc/reserved" in done.stdout
@@ -143,8 +164,6 @@ def test_user_model_end_to_end(tmp_path: Path) -> None:
     done = bench(
         "run",
         *QUICK,
-        "--strategies",
-        "fsdp",  # one point: the user-model path does not depend on the strategy
         "--model-factory",
         "bench_factories:make_model",
         "--init-params",
@@ -159,10 +178,29 @@ def test_user_model_end_to_end(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     rows = json.loads((out / "results.json").read_text())["results"]
     assert {r["model"] for r in rows} == {"make_model"}
+    params, trainable = 4 * (16 * 16 + 16), 3 * (16 * 16 + 16)  # the stem is frozen
     for row in rows:
-        assert row["params"] == 4 * (16 * 16 + 16)
-        assert row["trainable_params"] == 3 * (16 * 16 + 16)  # the stem is frozen
+        assert row["params"] == params and row["trainable_params"] == trainable
         assert row["tokens_per_s"] is None and row["samples_per_s"] > 0
+        assert row["flops_per_sample"] > 0 and row["analytic_flops_per_sample"] is None
+        assert row["ckpt_save_ms"] > 0 and row["raw_ckpt_save_ms"] > 0 and row["ckpt_bytes"] > 0
+    # Exact local storage per rank (fp32; AdamW: two moments and a 4-byte step per tensor)
+    # and the exact bytes each collective moves in one step, on 2 ranks.
+    ddp, fsdp = rows
+    assert (ddp["strategy"], fsdp["strategy"]) == ("ddp", "fsdp")
+    assert ddp["param_bytes"] == 4 * params
+    assert ddp["grad_bytes"] == 4 * trainable
+    assert ddp["optimizer_bytes"] == 2 * 4 * trainable + 4 * 6
+    assert ddp["comm_bytes_per_step"] == {"all_reduce": 4 * trainable}  # each gradient once
+    assert fsdp["param_bytes"] == 4 * params // 2  # a shard: half of every tensor
+    assert fsdp["grad_bytes"] == 4 * trainable // 2
+    assert fsdp["optimizer_bytes"] == 4 * trainable + 4 * 6
+    assert fsdp["comm_bytes_per_step"] == {
+        "all_gather": 2 * 4 * params,  # every unit in forward, again in backward (resharded)
+        "reduce_scatter": 4 * trainable,  # every trainable gradient once
+    }
+    for row in rows:
+        assert row["activation_peak_bytes"] > 0
 
 
 @pytest.mark.parametrize(
@@ -333,6 +371,8 @@ def test_a_failing_rank_ends_the_run_promptly(tmp_path: Path) -> None:
     done = bench(
         "run",
         *QUICK,
+        "--strategies",
+        "ddp",
         "--model-factory",
         "bench_factories:fail_on_rank1",
         "--input-factory",
@@ -389,3 +429,45 @@ def test_sweep_rows_budget_and_recommendation(tmp_path: Path) -> None:
     assert payload["skipped"][0] == {"model": "tiny", "strategy": "fsdp", "knobs": {}}
     assert "no measured point fits --memory-budget 1 MiB" in done.stdout
     assert not (tight / "recommended.json").exists()
+
+
+@pytest.mark.multiprocess
+def test_kept_results(tmp_path: Path) -> None:
+    """Nothing measured is lost: a bad --out stops before any rank starts, an earlier run is
+    not overwritten, an out-of-memory point is recorded and the run goes on, --resume adds
+    only the missing points."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    done = bench("run", *QUICK, "--models", "tiny", "--out", str(a_file), timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"strategy-bench: error: --out {str(a_file)!r} is a file; give a directory for the results"
+    ]
+
+    out = tmp_path / "run"
+    user = ["--model-factory", "bench_factories:oom_on_rank1"]
+    user += ["--input-factory", "bench_factories:make_batch"]
+    done = bench("run", *QUICK, *user, "--models", "tiny", "--strategies", "ddp", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    first = json.loads((out / "results.json").read_text())
+    assert first["schema"] == 2
+    oom, ok = first["results"]
+    assert (oom["model"], oom["strategy"], oom["status"]) == ("oom_on_rank1", "ddp", "oom")
+    assert oom["failed_rank"] == 1 and oom["peak_mem_bytes"] > 0
+    assert "OutOfMemoryError: CUDA out of memory" in oom["error"]
+    assert (ok["model"], ok["status"]) == ("tiny", "ok")
+    assert "ddp oom_on_rank1: out of memory at" in done.stdout
+    assert "going on with the next point" in done.stderr
+    assert_png(out / "throughput.png")  # the plots show the measured point
+
+    again = bench("run", *QUICK, "--models", "tiny", "--out", str(out), timeout=60)
+    assert again.returncode == 2
+    assert "already holds results" in again.stderr and "--resume" in again.stderr
+    assert json.loads((out / "results.json").read_text()) == first
+
+    more = bench("run", *QUICK, "--models", "tiny", "--resume", "--out", str(out))
+    assert more.returncode == 0, more.stderr
+    rows = json.loads((out / "results.json").read_text())["results"]
+    assert rows[:2] == first["results"]  # kept as they were
+    assert [(r["model"], r["strategy"], r["status"]) for r in rows[2:]] == [("tiny", "fsdp", "ok")]
+    assert "1 configuration(s)" in more.stderr  # tiny ddp was there already

@@ -71,7 +71,46 @@ def test_timeout_under_torchrun_ends_the_rank() -> None:
 def test_each_cold_wrap_gets_a_new_group_that_is_destroyed() -> None:
     from bench_workers import cold_wrap_groups
 
-    for result in run_ranks(cold_wrap_groups, world_size=2):
+    for result in run_ranks(cold_wrap_groups, world_size=1):
         assert len(result["made"]) == 2 * COLD_SAMPLES
         assert sorted(result["destroyed"]) == sorted(result["made"])
         assert len(result["cold"]) == COLD_SAMPLES
+        assert result["ckpt_bytes"] > 0  # DTensor collectives after the groups were made
+
+
+def test_counted_flops_agree_with_the_preset_formula() -> None:
+    import torch
+
+    from strategy_bench import PRESETS, BenchTransformer
+    from strategy_bench._flops import count_step_flops
+    from strategy_bench._presets import next_token_loss, synthetic_tokens
+
+    preset = PRESETS["small"]
+    model = BenchTransformer(**preset.init_params())
+    tokens = synthetic_tokens(
+        2, preset.seq_len, preset.vocab, torch.device("cpu"), torch.Generator()
+    )
+    counted = count_step_flops(lambda: next_token_loss(model, tokens).backward()) / 2
+    assert counted == pytest.approx(preset.flops_per_sample(), rel=0.05)
+    # The embedding is a lookup: counting its parameters as matmul work overstated ~19%.
+    with_embedding = preset.flops_per_sample() + 6 * preset.vocab * preset.width * preset.seq_len
+    assert with_embedding / counted > 1.15
+
+
+def test_peak_flops_sources() -> None:
+    from strategy_bench._flops import datasheet_peak, peak_flops
+
+    assert datasheet_peak("NVIDIA H100 80GB HBM3", "bf16") == (
+        989.4e12,
+        "datasheet: H100 dense bf16 989.4 TFLOP/s",
+    )
+    assert datasheet_peak("NVIDIA H100 PCIe", "fp32") == (
+        51.2e12,
+        "datasheet: H100 PCIe dense fp32 51.2 TFLOP/s",
+    )
+    assert datasheet_peak("NVIDIA A100-SXM4-80GB", "bf16") is not None
+    assert datasheet_peak("NVIDIA L40S", "bf16")[1].startswith("datasheet: L40S")  # not L4
+    assert datasheet_peak("NVIDIA B200", "fp32") is None  # not in the table: no MFU
+    assert datasheet_peak("AMD EPYC", "fp32") is None
+    assert peak_flops("NVIDIA H200", "bf16", 500.0) == (500e12, "--peak-tflops 500")
+    assert peak_flops("x86_64", "fp32", None) == (None, None)

@@ -13,9 +13,11 @@ from typing import Any, NoReturn
 import torch
 
 from strategy_bench._errors import BenchUsageError
+from strategy_bench._kept import check_out, describe_failure, done_keys, ok_rows, point_key
 from strategy_bench._launch import launch, under_torchrun
 from strategy_bench._plan import Config, Plan, RunOptions, WorkloadSpec
 from strategy_bench._presets import CPU_DEFAULT_MODELS, GPU_DEFAULT_MODELS, PRESETS
+from strategy_bench._report import write_report
 from strategy_bench._results import read_results
 from strategy_bench._sweep import parse_memory, recommend, sweep_configs, yaml_section
 from strategy_bench._table import summary_table
@@ -102,6 +104,23 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench-results/latest"))
     parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        metavar="TFLOPS",
+        help="peak TFLOP/s per rank for MFU (default: the datasheet of a known GPU)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results an earlier run left in --out",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the earlier run's rows in --out and measure only the points it lacks",
+    )
+    parser.add_argument(
         "--timeout",
         type=float,
         default=3600.0,
@@ -152,9 +171,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{plan.backend} rank(s); results in {plan.out_dir}\n"
         )
     code = launch(plan, timeout_s=args.timeout)
-    if code != 0 or (torchrun and int(os.environ["RANK"]) != 0):
+    if torchrun and int(os.environ["RANK"]) != 0:
         return code  # under torchrun, rank 0 alone reports
-    return _report(plan, extra)
+    if (Path(plan.out_dir) / "results.json").exists():
+        _report(plan, extra)
+    return code
 
 
 def _cuda_bf16() -> bool:
@@ -202,6 +223,14 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
             for strategy in args.strategies
         ]
         budget = None
+    prior = check_out(args.out, overwrite=args.overwrite, resume=args.resume)
+    done = done_keys(prior)
+    configs = [c for c in configs if point_key(c.describe(workloads)) not in done]
+    if prior and not configs:
+        raise BenchUsageError(
+            f"--resume: {str(args.out / 'results.json')!r} already holds every point of this "
+            "run; nothing to measure"
+        )
     options = RunOptions(
         steps=args.steps,
         warmup=args.warmup,
@@ -219,6 +248,8 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         time_budget_s=budget,
         max_points=getattr(args, "max_points", None),
         kind=args.command,
+        prior_rows=prior,
+        peak_tflops=args.peak_tflops,
     )
     return plan, extra
 
@@ -282,14 +313,17 @@ def _workloads(args: argparse.Namespace, device: str) -> list[WorkloadSpec]:
     return specs
 
 
-def _report(plan: Plan, extra: dict[str, Any]) -> int:
+def _report(plan: Plan, extra: dict[str, Any]) -> None:
     from strategy_bench._plots import plot_runs, plot_sweep, run_label
 
     out = Path(plan.out_dir)
     payload = read_results(out / "results.json")
-    rows = payload["results"]
-    pngs = plot_runs([(run_label(payload), payload)], out)
-    print(summary_table(rows))
+    rows = ok_rows(payload["results"])
+    pngs = plot_runs([(run_label(payload), payload)], out) if rows else []
+    print(summary_table(payload["results"]))
+    for failed in payload["results"]:
+        if failed not in rows:
+            print(describe_failure(failed))
     for skipped in payload.get("skipped", []):
         print(f"skipped (time budget): {skipped}")
     if extra["command"] == "sweep" and rows:
@@ -316,7 +350,7 @@ def _report(plan: Plan, extra: dict[str, Any]) -> int:
         print(line)
     print(f"results: {out / 'results.json'}")
     print("plots: " + ", ".join(str(p) for p in pngs))
-    return 0
+    print(f"report: {write_report(out, payload, pngs)}")
 
 
 def _plot(paths: Sequence[Path], out: Path | None) -> int:

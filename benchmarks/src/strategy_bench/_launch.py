@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -16,9 +17,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from strategy_bench._budget import TimeBudget
+from strategy_bench._kept import describe_failure, failure_row, ok_rows
+from strategy_bench._memory import memory_reached
 from strategy_bench._plan import Plan
-from strategy_bench._results import read_results, write_results
+from strategy_bench._results import environment, read_results, write_results
 from strategy_bench._worker import configure_logging, run_rank
 
 logger = logging.getLogger(__name__)
@@ -43,7 +48,7 @@ def launch(plan: Plan, *, timeout_s: float | None = None, addr: str = "127.0.0.1
     ``torchrun`` by a timer in each rank that ends its process (torchrun then stops the
     others).
     """
-    if under_torchrun():
+    if under_torchrun():  # a failing point ends the run here; the finished ones are kept
         configure_logging()
         if timeout_s is not None:
             _exit_after(timeout_s)
@@ -77,20 +82,26 @@ def _exit_after(timeout_s: float) -> None:
 
 
 def _each_point(plan: Plan, scratch: Path, deadline: float | None, addr: str) -> int:
-    """Spawn the ranks once per point; merge the points' rows into ``results.json``."""
+    """Spawn the ranks once per point; merge the points' rows into ``results.json``.
+
+    ``results.json`` is rewritten (atomically) after every point, so an interruption keeps
+    every completed point. A point whose ranks fail gets a row saying how (out of memory,
+    with the memory reached, or the error's last line) and the run goes on.
+    """
     out = Path(plan.out_dir) / "results.json"
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = [dict(row) for row in plan.prior_rows]
     skipped: list[dict[str, Any]] = []
     env: dict[str, Any] = {}
     budget = TimeBudget(plan.time_budget_s, plan.max_points)
     for index, config in enumerate(plan.configs):
+        described = config.describe(plan.workloads)
         if not budget.fits(config.workload):
-            skipped.append(config.describe(plan.workloads))
+            skipped.append(described)
             logger.info(
                 "[%d/%d] %s: skipped (%s)",
                 index + 1,
                 len(plan.configs),
-                config.describe(plan.workloads),
+                described,
                 plan.budget_text(),
             )
             continue
@@ -102,25 +113,50 @@ def _each_point(plan: Plan, scratch: Path, deadline: float | None, addr: str) ->
             max_points=None,
             first_index=index,
             total=len(plan.configs),
+            prior_rows=[],
+            matmul_flops=env.get("matmul_flops") if env else None,
         )
         begin = time.monotonic()
         remaining = None if deadline is None else max(1.0, deadline - begin)
-        code = _spawn(point, remaining, addr)
+        failure = _spawn(point, remaining, addr)
         budget.spent(config.workload, time.monotonic() - begin)
-        if code != 0:
-            if rows:
+        if failure is None:
+            payload = read_results(scratch / f"point{index}" / "results.json")
+            env = payload["env"]
+            rows.extend(payload["results"])
+        else:
+            env = env or _environment_of(plan)
+            row = failure_row(described, env=env, world_size=plan.world_size, report=failure)
+            rows.append(row)
+            sys.stderr.write(
+                f"strategy-bench: [{index + 1}/{len(plan.configs)}] "
+                f"{describe_failure(row)}; going on with the next point\n"
+            )
+            if failure.get("timed_out"):
+                skipped.extend(c.describe(plan.workloads) for c in plan.configs[index + 1 :])
                 write_results(out, env, rows, skipped=skipped)
-            return code
-        payload = read_results(scratch / f"point{index}" / "results.json")
-        env = payload["env"]
-        rows.extend(payload["results"])
-        write_results(out, env, rows, skipped=skipped)
-    write_results(out, env, rows, skipped=skipped)
-    return 0
+                return 1
+        write_results(out, env or _environment_of(plan), rows, skipped=skipped)
+    write_results(out, env or _environment_of(plan), rows, skipped=skipped)  # the skipped too
+    return 0 if ok_rows(rows) else 1
 
 
-def _spawn(plan: Plan, timeout_s: float | None, addr: str) -> int:
-    """One set of ranks for ``plan``; the watchdog's exit code."""
+def _environment_of(plan: Plan) -> dict[str, Any]:
+    """The environment when no point reported one (every point so far failed)."""
+    device = torch.device("cuda", 0) if plan.device == "cuda" else torch.device("cpu")
+    env = environment(
+        device,
+        plan.backend,
+        plan.world_size,
+        dtype=plan.options.dtype,
+        peak_tflops=plan.peak_tflops,
+    )
+    env["kind"] = plan.kind
+    return env
+
+
+def _spawn(plan: Plan, timeout_s: float | None, addr: str) -> dict[str, Any] | None:
+    """One set of ranks for ``plan``; ``None`` when they all succeeded, else the failure."""
     context = mp.get_context("spawn")
     init_method = f"tcp://{addr}:{_free_port(addr)}"
     with tempfile.TemporaryDirectory(prefix="strategy-bench-") as errors:
@@ -137,7 +173,15 @@ def _spawn(plan: Plan, timeout_s: float | None, addr: str) -> int:
         return _watch(procs, Path(errors), timeout_s)
 
 
-def _watch(procs: Sequence[mp.process.BaseProcess], errors: Path, timeout_s: float | None) -> int:
+def _watch(
+    procs: Sequence[mp.process.BaseProcess], errors: Path, timeout_s: float | None
+) -> dict[str, Any] | None:
+    """Wait for the ranks; stop them all within a second of one failing, or at the deadline.
+
+    Returns:
+        ``None`` when every rank exited 0; else the first failing rank's report (its
+        traceback is printed) or ``{"timed_out": True, ...}``.
+    """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while True:
@@ -145,23 +189,42 @@ def _watch(procs: Sequence[mp.process.BaseProcess], errors: Path, timeout_s: flo
             failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
                 _stop(procs)
-                for rank in failed:
-                    report = errors / f"rank{rank}.txt"
-                    text = report.read_text() if report.exists() else "(no traceback written)"
+                reports = [_read_report(errors, rank, codes[rank]) for rank in failed]
+                for report in reports:
                     sys.stderr.write(
-                        f"strategy-bench: rank {rank} failed (exit code {codes[rank]}):\n{text}\n"
+                        f"strategy-bench: rank {report['rank']} failed (exit code "
+                        f"{report['exit_code']}):\n{report['traceback']}\n"
                     )
-                return 1
+                # An out-of-memory rank is the cause; the others failed waiting for it.
+                return next((r for r in reports if r["oom"]), reports[0])
             if all(code == 0 for code in codes):
-                return 0
+                return None
             if deadline is not None and time.monotonic() > deadline:
                 _stop(procs)
                 sys.stderr.write("strategy-bench: timed out (--timeout)\n")
-                return 1
+                return {
+                    "rank": None,
+                    "oom": False,
+                    "timed_out": True,
+                    "error": f"timed out (--timeout {timeout_s:g} s)",
+                    "memory_bytes": None,
+                }
             time.sleep(0.1)
     except KeyboardInterrupt:
         _stop(procs)
         raise
+
+
+def _read_report(errors: Path, rank: int, code: int | None) -> dict[str, Any]:
+    path = errors / f"rank{rank}.json"
+    report: dict[str, Any] = {"rank": rank, "oom": False, "error": None, "memory_bytes": None}
+    try:
+        report.update(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        report["traceback"] = "(no traceback written)"
+        report["error"] = f"exited with code {code} without a traceback"
+    report["exit_code"] = code
+    return report
 
 
 def _stop(procs: Sequence[mp.process.BaseProcess]) -> None:
@@ -183,8 +246,18 @@ def _child(plan: Plan, rank: int, init_method: str, errors: str) -> None:
         run_rank(
             plan, rank=rank, world_size=plan.world_size, local_rank=rank, init_method=init_method
         )
-    except BaseException:
-        Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
+    except BaseException as error:
+        text = traceback.format_exc()
+        report = {
+            "rank": rank,
+            "oom": isinstance(error, torch.OutOfMemoryError),
+            "error": f"{type(error).__name__}: {error}".strip().splitlines()[-1][:300],
+            "memory_bytes": memory_reached(
+                torch.device("cuda", rank) if plan.device == "cuda" else torch.device("cpu")
+            ),
+            "traceback": text,
+        }
+        Path(errors, f"rank{rank}.json").write_text(json.dumps(report))
         sys.exit(1)
 
 

@@ -17,6 +17,14 @@ from torch import nn
 
 from distributed_strategy import build_replicated_model, derive_seed
 from strategy_bench import _wrappers
+from strategy_bench._accounting import (
+    CommBytes,
+    local_bytes,
+    optimizer_bytes,
+    saved_activation_bytes,
+)
+from strategy_bench._ckpt import checkpoint_cost
+from strategy_bench._flops import count_step_flops
 from strategy_bench._memory import PeakMemory
 from strategy_bench._plan import RunOptions
 from strategy_bench._timing import time_steps, timed_ms
@@ -29,6 +37,7 @@ def measure(
     knobs: Mapping[str, Any],
     options: RunOptions,
     device: torch.device,
+    index: int = 0,
 ) -> dict[str, Any]:
     """Everything one rank measures for one configuration; plain values only.
 
@@ -37,11 +46,19 @@ def measure(
     group; warm: the median of ``wrap_repeats`` alternating wraps on the default group), then
     training-step times and peak memory. Everything it allocated is freed before it returns.
     """
-    point = _Point(workload, strategy, knobs, options, device)
+    point = _Point(workload, strategy, knobs, options, device, index)
     out: dict[str, Any] = {"rank": dist.get_rank()}
     model = _build(point, out)
-    _wrap(point, model, out)
-    _steps(point, model, out)
+    groups: list[dist.ProcessGroup] = []
+    try:
+        _wrap(point, model, out, groups)
+        _steps(point, model, out)
+    finally:
+        # The cold wraps' groups live until the point is done: DeviceMesh keeps meshes by
+        # their ranks, so a mesh built later for the same ranks may be one of them (torch
+        # 2.13); destroying them earlier breaks that mesh's DTensor collectives.
+        for group in groups:  # without this, a sweep under torchrun piles up communicators
+            dist.destroy_process_group(group)
     del model
     gc.collect()
     if device.type == "cuda":
@@ -58,6 +75,7 @@ class _Point:
     knobs: Mapping[str, Any]
     options: RunOptions
     device: torch.device
+    index: int = 0
 
 
 def _build(point: _Point, out: dict[str, Any]) -> nn.Module:
@@ -83,31 +101,60 @@ def _build(point: _Point, out: dict[str, Any]) -> nn.Module:
     if workload.trainable is not None:
         result = workload.trainable(model)
         model = result if isinstance(result, nn.Module) else model
+    out["flops_per_sample"] = _count_flops(point, model)
     out["params"] = sum(p.numel() for p in model.parameters())
     out["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return model
 
 
-def _wrap(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
-    """Time our wrapper against raw torch on copies of ``model``: cold, then warm."""
+def _autocast(options: RunOptions, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    if options.dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _count_flops(point: _Point, model: nn.Module) -> float:
+    """Training FLOPs per sample, counted over one forward and backward before the wrap.
+
+    That is what the wrapped step computes on every rank (the optimizer step is not counted).
+    """
+    workload, options, device = point.workload, point.options, point.device
+    generator = torch.Generator().manual_seed(derive_seed(options.seed, "flops"))
+    batch = workload.make_batch(options.batch_size, device, generator)
+
+    def step() -> None:
+        with _autocast(options, device):
+            loss = workload.loss(model, batch)
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    flops = count_step_flops(step)
+    model.zero_grad(set_to_none=True)
+    return flops / options.batch_size
+
+
+def _wrap(
+    point: _Point, model: nn.Module, out: dict[str, Any], groups: list[dist.ProcessGroup]
+) -> None:
+    """Time our wrapper against raw torch on copies of ``model``: cold, then warm.
+
+    Each cold wrap creates a new process group inside its timing and appends it to
+    ``groups`` (the caller destroys them).
+    """
     strategy, knobs, device = point.strategy, point.knobs, point.device
 
     def wrap_copy(which: str, *, cold: bool = False) -> float:
         wrap = _wrappers.ours if which == "ours" else _wrappers.raw
         gc.collect()  # the previous wrapper's reference cycles must not be freed in the timing
         fresh = [copy.deepcopy(model)]  # a list, so that the copy is freed with it
-        groups: list[dist.ProcessGroup] = []
 
         def run() -> None:
+            group = None
             if cold:  # the group's setup (NCCL communicator included) is part of a cold wrap
-                groups.append(dist.new_group())
-            wrap(strategy, fresh.pop(), device, knobs, groups[0] if groups else None)
+                group = dist.new_group()
+                groups.append(group)
+            wrap(strategy, fresh.pop(), device, knobs, group)
 
-        try:
-            elapsed, _ = timed_ms(run, device)
-        finally:
-            for group in groups:  # a sweep under torchrun would pile up communicators
-                dist.destroy_process_group(group)
+        elapsed, _ = timed_ms(run, device)
         return elapsed
 
     # Cold: alternating which goes first (raw, ours, ours, raw, ...), each on a new group.
@@ -149,11 +196,7 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
         for _ in range(min(4, options.steps + options.warmup))
     ]
     cycle = itertools.cycle(batches)
-    autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16)
-        if options.dtype == "bf16"
-        else contextlib.nullcontext()
-    )
+    autocast = _autocast(options, device)
 
     def step() -> None:
         with autocast:
@@ -166,27 +209,36 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
         out["step_ms"] = time_steps(step, steps=options.steps, warmup=options.warmup, device=device)
     out["peak_mem_bytes"] = memory.peak
     out["peak_reserved_bytes"] = memory.reserved
+    _account(wrapped, optimizer, workload.loss, next(cycle), autocast, out)
+    checkpoint_cost(wrapped, optimizer, device, raw_first=point.index % 2 == 0, out=out)
 
 
-def measure_peak_flops(device: torch.device, size: int = 8192, repeats: int = 10) -> float | None:
-    """Achieved bf16 matmul FLOP/s on this device (the MFU denominator); ``None`` off CUDA."""
-    if device.type != "cuda":
-        return None
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    for _ in range(repeats):
-        a @ b
-    end.record()
-    torch.cuda.synchronize(device)
-    seconds = float(start.elapsed_time(end)) / 1e3
-    del a, b
-    torch.cuda.empty_cache()
-    return 2.0 * size**3 * repeats / seconds
+def _account(
+    wrapped: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Any,
+    batch: Any,
+    autocast: contextlib.AbstractContextManager[Any],
+    out: dict[str, Any],
+) -> None:
+    """One more (untimed) forward and backward: memory by kind and bytes by collective.
+
+    Parameters, gradients and optimizer state are this rank's local storage (an FSDP rank
+    holds about 1/N of each); activations are what the forward saves for backward; the
+    collectives are counted over the forward and the backward.
+    """
+    out["param_bytes"] = local_bytes(wrapped.parameters())
+    out["optimizer_bytes"] = optimizer_bytes(optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    with CommBytes() as comm:
+        with saved_activation_bytes(wrapped) as saved, autocast:
+            loss = loss_fn(wrapped, batch)
+        loss.backward()
+    out["activation_peak_bytes"] = saved[0]
+    out["grad_bytes"] = local_bytes(p.grad for p in wrapped.parameters())
+    out["comm_bytes_per_step"] = dict(comm.bytes)
+    out["comm_calls_per_step"] = dict(comm.calls)
+    optimizer.zero_grad(set_to_none=True)
 
 
 def warm_up_process(device: torch.device) -> None:

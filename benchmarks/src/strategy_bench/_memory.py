@@ -20,6 +20,21 @@ def current_rss() -> int:
         return 0
 
 
+def memory_reached(device: torch.device) -> int | None:
+    """The most this process has held: the CUDA allocator's peak, or the peak RSS on CPU.
+
+    For the row of a point that failed (an out-of-memory error records how far it got).
+    """
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(device))
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+    except Exception:
+        return None
+
+
 class PeakMemory:
     """Context manager measuring peak memory while the block runs.
 

@@ -82,6 +82,9 @@ class Plan:
         kind: ``"run"`` or ``"sweep"`` (recorded in the results).
         first_index: Position of ``configs[0]`` in the whole run (for progress lines).
         total: Points in the whole run (``None``: ``len(configs)``).
+        prior_rows: Rows of an earlier run kept by ``--resume``; written before the new ones.
+        peak_tflops: ``--peak-tflops``: the MFU denominator per rank (else the datasheet's).
+        matmul_flops: The matmul rate measured by the run's first point, handed to the others.
     """
 
     device: str
@@ -96,6 +99,9 @@ class Plan:
     kind: str = "run"
     first_index: int = 0
     total: int | None = None
+    prior_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    peak_tflops: float | None = None
+    matmul_flops: float | None = None
 
     def budget_text(self) -> str:
         """The budget, for progress lines of skipped points."""

@@ -11,6 +11,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # the backend is chosen first
 
+from strategy_bench._kept import ok_rows
+
 _COLOURS = (
     "#4C72B0",
     "#DD8452",
@@ -47,12 +49,14 @@ def plot_runs(runs: Sequence[tuple[str, Mapping[str, Any]]], out_dir: Path) -> l
         _memory(runs, out_dir / "memory.png"),
         _step_spread(runs, out_dir / "step_spread.png"),
         _init(runs, out_dir / "init_time.png"),
+        _memory_breakdown(runs, out_dir / "memory_breakdown.png"),
+        _checkpoint(runs, out_dir / "checkpoint.png"),
     ]
     return [path for path in drawn if path is not None]
 
 
 def _rows(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
-    return [(label, row) for label, payload in runs for row in payload["results"]]
+    return [(label, row) for label, payload in runs for row in ok_rows(payload["results"])]
 
 
 def _series_label(label: str, row: Mapping[str, Any], multi: bool) -> str:
@@ -153,7 +157,7 @@ def _fsdp_over_ddp(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, f
     payload = runs[0][1]
     by = {
         (r["model"], r["strategy"]): r["samples_per_s"]
-        for r in payload["results"]
+        for r in ok_rows(payload["results"])
         if not r.get("knobs")  # each strategy at its defaults
     }
     return {
@@ -210,6 +214,63 @@ def _memory(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
     return _save(fig, path)
 
 
+_KINDS = (
+    ("param_bytes", "parameters"),
+    ("grad_bytes", "gradients"),
+    ("optimizer_bytes", "optimizer state"),
+    ("activation_peak_bytes", "activations saved for backward"),
+)
+
+
+def _memory_breakdown(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path | None:
+    """Per-rank memory stacked by kind, one bar per (model, strategy); schema 2 rows only."""
+    rows = [(label, row) for label, row in _rows(runs) if "param_bytes" in row]
+    if not rows:
+        return None
+    multi = len(runs) > 1
+    groups = [f"{row['model']}\n{_series_label(label, row, multi)}" for label, row in rows]
+    fig, ax = plt.subplots(figsize=(max(7, 1.8 * len(groups)), 4.8))
+    bottom = [0.0] * len(rows)
+    for (key, name), color in zip(_KINDS, _COLOURS, strict=False):
+        values = [row[key] / 2**20 for _, row in rows]
+        ax.bar(groups, values, bottom=bottom, label=name, color=color)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for x, total in enumerate(bottom):
+        ax.annotate(f"{total:.1f}", (x, total), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("MiB per rank (largest rank)")
+    ax.set_title(
+        "Memory per rank by kind: local storage (an FSDP rank holds ~1/N of each static kind)",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    return _save(fig, path)
+
+
+def _checkpoint(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path | None:
+    """Checkpoint save (ours vs raw DCP) and load times; schema 2 rows only."""
+    rows = [(label, row) for label, row in _rows(runs) if "ckpt_save_ms" in row]
+    if not rows:
+        return None
+    multi = len(runs) > 1
+    groups = [f"{row['model']}\n{_series_label(label, row, multi)}" for label, row in rows]
+    series = {
+        "save, checkpoint-io": [row["ckpt_save_ms"] for _, row in rows],
+        "save, raw get_state_dict + dcp.save": [row["raw_ckpt_save_ms"] for _, row in rows],
+        "load, checkpoint-io (verified)": [row["ckpt_load_ms"] for _, row in rows],
+    }
+    fig, ax = plt.subplots(figsize=(max(7, 1.8 * len(groups)), 4.8))
+    _bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
+    ax.set_ylabel("ms (lower is better)")
+    sizes = ", ".join(
+        f"{row['model']} {row['strategy'].upper()} {row['ckpt_bytes'] / 2**20:.1f} MiB"
+        for _, row in rows
+    )
+    ax.set_title(f"Checkpoint cost (model + optimizer)\n{sizes}", fontsize=9)
+    ax.tick_params(axis="x", labelsize=7)
+    return _save(fig, path)
+
+
 def _step_spread(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
     models, series = _grouped(runs, lambda row: row["step_ms_median"])
     _, spans_lo = _grouped(runs, lambda row: row["step_ms_p10"])
@@ -249,7 +310,7 @@ def plot_sweep(payload: Mapping[str, Any], path: Path) -> Path:
     """Throughput against peak memory, one labelled point per sweep point."""
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for index, strategy in enumerate(("ddp", "fsdp")):
-        rows = [r for r in payload["results"] if r["strategy"] == strategy]
+        rows = [r for r in ok_rows(payload["results"]) if r["strategy"] == strategy]
         if not rows:
             continue
         xs = [r["peak_mem_bytes"] / 2**20 for r in rows]
@@ -260,7 +321,7 @@ def plot_sweep(payload: Mapping[str, Any], path: Path) -> Path:
             ax.annotate(text, (x, y), fontsize=6, xytext=(4, 3), textcoords="offset points")
     ax.set_xlabel("peak memory per rank, MiB (lower is better)")
     ax.set_ylabel("samples / s (higher is better)")
-    models = sorted({r["model"] for r in payload["results"]})
+    models = sorted({r["model"] for r in ok_rows(payload["results"])})
     ax.set_title(f"Strategy knobs: throughput vs memory ({', '.join(models)})", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -13,9 +14,13 @@ from typing import Any
 
 import torch
 
+from strategy_bench._flops import peak_flops
+from strategy_bench._kept import OK, ok_rows
 from strategy_bench._timing import summarize
 
-SCHEMA = 1
+SCHEMA = 2
+"""Written now; :func:`read_results` also reads schema 1 (rows without ``status``)."""
+SCHEMAS = (1, 2)
 REQUIRED_ROW_KEYS = (
     "strategy",
     "model",
@@ -34,22 +39,46 @@ REQUIRED_ROW_KEYS = (
 )
 
 
-def environment(
-    device: torch.device, backend: str, world_size: int, peak_flops: float | None
-) -> dict[str, Any]:
-    """What the numbers were measured on."""
+MEMORY_KINDS = ("param", "grad", "optimizer", "activation_peak")
+"""The kinds of per-rank memory a row records, as ``<kind>_bytes``."""
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name (what the datasheet table is matched against), or the CPU's."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    return name or platform.machine()
+
+
+def environment(
+    device: torch.device,
+    backend: str,
+    world_size: int,
+    *,
+    dtype: str = "fp32",
+    peak_tflops: float | None = None,
+    matmul_flops: float | None = None,
+) -> dict[str, Any]:
+    """What the numbers were measured on, and the two MFU denominators.
+
+    ``peak_flops`` is the per-rank peak from ``--peak-tflops`` or the datasheet table for the
+    device and ``dtype`` (``peak_flops_source`` says which, ``None`` when neither applies);
+    ``matmul_flops`` is the square-matmul rate measured once in this run on CUDA.
+    """
+    name = device_name(device)
+    peak, source = peak_flops(name, dtype, peak_tflops)
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "backend": backend,
         "device": device.type,
-        "device_name": name or platform.machine(),
+        "device_name": name,
         "world_size": world_size,
         "git": _git_revision(),
         "host": platform.node(),
         "cpu_threads": torch.get_num_threads(),
-        "peak_flops": peak_flops,
+        "peak_flops": peak,
+        "peak_flops_source": source,
+        "matmul_flops": matmul_flops,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
@@ -64,7 +93,7 @@ def merge_ranks(
     batch_size: int,
     dtype: str,
     tokens_per_sample: int | None,
-    flops_per_sample: float | None,
+    analytic_flops_per_sample: float | None,
 ) -> dict[str, Any]:
     """One results row from every rank's measurements.
 
@@ -75,15 +104,15 @@ def merge_ranks(
     steps = [max(values) for values in zip(*(r["step_ms"] for r in per_rank), strict=True)]
     stats = summarize(steps)
     samples_per_s = batch_size * world / (stats["median"] / 1e3)
-    peak_flops = env.get("peak_flops")
-    mfu = None
-    if flops_per_sample is not None and peak_flops:
-        mfu = flops_per_sample * samples_per_s / (peak_flops * world)
+    flops_per_sample = per_rank[0].get("flops_per_sample")
+    achieved = None if flops_per_sample is None else flops_per_sample * samples_per_s / world
+    peak, matmul = env.get("peak_flops"), env.get("matmul_flops")
     cold = _slowest_rank(per_rank, "wrap_cold_ms_all")
     raw_cold = _slowest_rank(per_rank, "raw_wrap_cold_ms_all")
     wrap_ms = max(r["wrap_ms"] for r in per_rank)
     raw_wrap_ms = max(r["raw_wrap_ms"] for r in per_rank)
     row: dict[str, Any] = {
+        "status": OK,
         "strategy": strategy,
         "model": model,
         "world_size": world,
@@ -116,7 +145,22 @@ def merge_ranks(
         "peak_mem_per_rank": [r["peak_mem_bytes"] for r in per_rank],
         "peak_reserved_bytes": max(r["peak_reserved_bytes"] for r in per_rank),
         "peak_reserved_per_rank": [r["peak_reserved_bytes"] for r in per_rank],
-        "mfu": mfu,
+        **{f"{kind}_bytes": max(r[f"{kind}_bytes"] for r in per_rank) for kind in MEMORY_KINDS},
+        "ckpt_save_ms": max(r["ckpt_save_ms"] for r in per_rank),
+        "raw_ckpt_save_ms": max(r["raw_ckpt_save_ms"] for r in per_rank),
+        "ckpt_load_ms": max(r["ckpt_load_ms"] for r in per_rank),
+        "ckpt_bytes": per_rank[0]["ckpt_bytes"],
+        **{
+            f"{kind}_bytes_per_rank": [r[f"{kind}_bytes"] for r in per_rank]
+            for kind in MEMORY_KINDS
+        },
+        "comm_bytes_per_step": per_rank[0]["comm_bytes_per_step"],
+        "comm_calls_per_step": per_rank[0]["comm_calls_per_step"],
+        "flops_per_sample": flops_per_sample,
+        "analytic_flops_per_sample": analytic_flops_per_sample,
+        "achieved_flops_per_rank": achieved,
+        "mfu": achieved / peak if achieved is not None and peak else None,
+        "mfu_vs_matmul": achieved / matmul if achieved is not None and matmul else None,
     }
     return row
 
@@ -133,7 +177,11 @@ def write_results(
     *,
     skipped: Sequence[Mapping[str, Any]] = (),
 ) -> None:
-    """Write ``{"schema", "env", "results", "skipped"}`` as indented JSON."""
+    """Write ``{"schema", "env", "results", "skipped"}`` as indented JSON, atomically.
+
+    The text goes to a temporary file beside ``path`` that then replaces it, so a crash or
+    Ctrl-C leaves either the previous complete file or the new one, never half of one.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "schema": SCHEMA,
@@ -141,7 +189,12 @@ def write_results(
         "results": [dict(r) for r in rows],
         "skipped": [dict(s) for s in skipped],
     }
-    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        partial.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def read_results(path: Path) -> dict[str, Any]:
@@ -154,12 +207,13 @@ def read_results(path: Path) -> dict[str, Any]:
         payload = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"cannot read results file {str(path)!r}: {error}") from None
-    if not isinstance(payload, dict) or payload.get("schema") != SCHEMA:
+    if not isinstance(payload, dict) or payload.get("schema") not in SCHEMAS:
         raise ValueError(
-            f"{str(path)!r} is not a strategy-bench results file of schema {SCHEMA} "
+            f"{str(path)!r} is not a strategy-bench results file of schema "
+            f"{' or '.join(map(str, SCHEMAS))} "
             f"(schema: {payload.get('schema') if isinstance(payload, dict) else None!r})"
         )
-    for row in payload.get("results", []):
+    for row in ok_rows(payload.get("results", [])):
         missing = [key for key in REQUIRED_ROW_KEYS if key not in row]
         if missing:
             raise ValueError(f"{str(path)!r}: a result row lacks {missing}")

@@ -8,6 +8,7 @@ from typing import Any
 
 from distributed_strategy import DistributedConfig
 from strategy_bench._errors import BenchUsageError
+from strategy_bench._kept import ok_rows
 from strategy_bench._plan import Config
 
 DDP_BUCKETS_MB = (1, 25, 100)
@@ -100,7 +101,9 @@ def recommend(
         ``(section, row, reason)``, or ``None`` when no measured point fits. The section is
         validated by ``DistributedConfig.from_mapping`` and holds every field.
     """
-    fitting = [row for row in rows if memory_budget is None or budgeted(row) <= memory_budget]
+    fitting = [
+        row for row in ok_rows(rows) if memory_budget is None or budgeted(row) <= memory_budget
+    ]
     if not fitting:
         return None
     best = max(fitting, key=lambda row: row["samples_per_s"])

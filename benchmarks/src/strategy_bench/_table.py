@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from strategy_bench._kept import OK, OOM
 from strategy_bench._sweep import budgeted
 
 
@@ -22,9 +23,18 @@ def summary_table(rows: Sequence[Mapping[str, Any]]) -> str:
         "peak MiB alloc/reserved",
         "MFU",
     )
-    lines = [header]
+    lines: list[tuple[str, ...]] = [header]
     for row in rows:
         knobs = ",".join(f"{k}={v}" for k, v in row.get("knobs", {}).items()) or "-"
+        if row.get("status", OK) != OK:
+            reached = row.get("peak_mem_bytes")
+            what = "out of memory" if row["status"] == OOM else "failed"
+            lines.append(
+                (str(row["model"]), str(row["strategy"]), knobs, what)
+                + ("-",) * (len(header) - 6)
+                + ("-" if not reached else f"{reached / 2**20:.0f} reached", "-")
+            )
+            continue
         tokens = row.get("tokens_per_s")
         rank0 = row.get("init_rank0_ms")
         mfu = row.get("mfu")

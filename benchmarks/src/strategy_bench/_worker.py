@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from strategy_bench._budget import TimeBudget
-from strategy_bench._measure import measure, measure_peak_flops, warm_up_process
+from strategy_bench._flops import measure_matmul_flops
+from strategy_bench._measure import measure, warm_up_process
 from strategy_bench._plan import Plan
 from strategy_bench._results import environment, merge_ranks, write_results
 
@@ -56,10 +57,20 @@ def run_rank(plan: Plan, *, rank: int, world_size: int, local_rank: int, init_me
 
 def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -> None:
     warm_up_process(device)
-    peaks: list[float | None] = [None] * world_size
-    dist.all_gather_object(peaks, measure_peak_flops(device))
-    measured = [p for p in peaks if p is not None]
-    env = environment(device, plan.backend, world_size, min(measured) if measured else None)
+    matmul = plan.matmul_flops
+    if matmul is None:  # once per run: the launcher hands the first point's figure on
+        rates: list[float | None] = [None] * world_size
+        dist.all_gather_object(rates, measure_matmul_flops(device, plan.options.dtype))
+        measured = [r for r in rates if r is not None]
+        matmul = min(measured) if measured else None
+    env = environment(
+        device,
+        plan.backend,
+        world_size,
+        dtype=plan.options.dtype,
+        peak_tflops=plan.peak_tflops,
+        matmul_flops=matmul,
+    )
     env["kind"] = plan.kind
     env["options"] = {
         "steps": plan.options.steps,
@@ -70,7 +81,7 @@ def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -
     }
     workloads = [spec.build() for spec in plan.workloads]
     out = Path(plan.out_dir) / "results.json"
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = [dict(row) for row in plan.prior_rows]
     skipped: list[dict[str, Any]] = []
     budget = TimeBudget(plan.time_budget_s, plan.max_points)
     for index, config in enumerate(plan.configs):
@@ -88,7 +99,9 @@ def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -
             continue
         begin = time.monotonic()
         workload = workloads[config.workload]
-        mine = measure(workload, config.strategy, config.knobs, plan.options, device)
+        mine = measure(
+            workload, config.strategy, config.knobs, plan.options, device, index=position
+        )
         per_rank: list[dict[str, Any]] = [{} for _ in range(world_size)]
         dist.all_gather_object(per_rank, mine)
         seconds = time.monotonic() - begin
@@ -104,7 +117,7 @@ def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -
             batch_size=plan.options.batch_size,
             dtype=plan.options.dtype,
             tokens_per_sample=workload.tokens_per_sample,
-            flops_per_sample=workload.flops_per_sample,
+            analytic_flops_per_sample=workload.flops_per_sample,
         )
         rows.append(row)
         write_results(out, env, rows, skipped=skipped)

@@ -1,0 +1,122 @@
+"""What one training step holds and sends: memory by kind and bytes by collective."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# c10d ops (what DDP's reducer and FSDP2 call) by the collective they are, and which
+# argument holds the data that the collective moves per rank: an all-gather's output, a
+# reduce-scatter's input, an all-reduce's or broadcast's tensors.
+_COLLECTIVES: dict[str, tuple[str, int]] = {
+    "allreduce_": ("all_reduce", 0),
+    "allreduce_coalesced_": ("all_reduce", 0),
+    "_allgather_base_": ("all_gather", 0),
+    "allgather_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1),
+    "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "broadcast_": ("broadcast", 0),
+    "all_gather_into_tensor": ("all_gather", -1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0),
+    "all_reduce": ("all_reduce", 0),
+}
+
+
+class CommBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Counts the bytes each kind of collective moves while active (per rank).
+
+    A dispatch mode sees the c10d ops that DDP's reducer and FSDP2 issue, also from
+    backward. ``bytes`` maps ``all_reduce`` / ``all_gather`` / ``reduce_scatter`` /
+    ``broadcast`` to bytes; ``calls`` to the number of collectives.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace in ("c10d", "_c10d_functional"):
+            kind = _COLLECTIVES.get(func._overloadpacket.__name__)
+            if kind is not None:
+                name, index = kind
+                data = out if index < 0 else args[index]
+                self.bytes[name] += _nbytes(data)
+                self.calls[name] += 1
+        return out
+
+
+def _nbytes(data: Any) -> int:
+    if isinstance(data, torch.Tensor):
+        return int(data.numel() * data.element_size())
+    if isinstance(data, list | tuple):
+        return sum(_nbytes(item) for item in data)
+    return 0
+
+
+def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes this rank stores for ``tensors`` (a ``DTensor``'s local shard, not its whole)."""
+    total = 0
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        total += local.numel() * local.element_size()
+    return int(total)
+
+
+def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's state tensors on this rank (AdamW: two moments, a step)."""
+    return local_bytes(
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    )
+
+
+@contextmanager
+def saved_activation_bytes(model: nn.Module) -> Iterator[list[int]]:
+    """Sum the bytes that autograd saves for backward while the block runs (the forward).
+
+    Each storage counts once; the parameters themselves (and views of them, such as a
+    transposed weight) are not activations and do not count. The total, in ``[0]`` of the
+    yielded list, is what the forward holds for backward at its end: the activation peak of
+    a step, independent of device and allocator.
+    """
+    params = {id(p) for p in model.parameters()}
+    seen: set[tuple[str, int]] = set()
+    total = [0]
+
+    def is_parameter(tensor: torch.Tensor) -> bool:
+        base = tensor._base if tensor._base is not None else tensor
+        return isinstance(base, nn.Parameter) or id(base) in params
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not is_parameter(tensor) and tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            key = (str(tensor.device), storage.data_ptr())
+            if key not in seen:
+                seen.add(key)
+                total[0] += storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield total

@@ -1,0 +1,117 @@
+"""Keeping what a run measured: the ``--out`` check, ``--resume``, and rows for failed points."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from strategy_bench._errors import BenchUsageError
+
+_Row = TypeVar("_Row", bound=Mapping[str, Any])
+
+OK = "ok"
+OOM = "oom"
+FAILED = "failed"
+
+
+def check_out(out: Path, *, overwrite: bool, resume: bool) -> list[dict[str, Any]]:
+    """Refuse an ``--out`` that would lose results, before any rank starts.
+
+    Args:
+        out: The output directory.
+        overwrite: Replace an earlier run's results.
+        resume: Keep an earlier run's rows and measure only the points it lacks.
+
+    Returns:
+        The rows to keep (``--resume``), else an empty list.
+
+    Raises:
+        BenchUsageError: If ``out`` is a file, or holds results and neither flag says what
+            to do with them, or both flags are given, or ``--resume`` finds no results.
+    """
+    if overwrite and resume:
+        raise BenchUsageError("--overwrite and --resume exclude each other; pick one")
+    if out.exists() and not out.is_dir():
+        raise BenchUsageError(f"--out {str(out)!r} is a file; give a directory for the results")
+    results = out / "results.json"
+    if not results.exists():
+        if resume:
+            raise BenchUsageError(
+                f"--resume but {str(results)!r} does not exist; drop --resume to start a new run"
+            )
+        return []
+    if overwrite:
+        return []
+    if not resume:
+        raise BenchUsageError(
+            f"--out {str(out)!r} already holds results ({str(results)!r}); pass --resume to "
+            "measure only the points it lacks, --overwrite to replace it, or another --out"
+        )
+    from strategy_bench._results import read_results  # imports torch: only when resuming
+
+    try:
+        payload = read_results(results)
+    except ValueError as error:
+        raise BenchUsageError(f"--resume: {error}") from None
+    return [dict(row) for row in payload["results"]]
+
+
+def point_key(point: Mapping[str, Any]) -> tuple[str, str, str]:
+    """What identifies a point in a run: model, strategy and knobs."""
+    knobs = json.dumps(dict(point.get("knobs", {})), sort_keys=True)
+    return str(point["model"]), str(point["strategy"]), knobs
+
+
+def done_keys(rows: Iterable[Mapping[str, Any]]) -> set[tuple[str, str, str]]:
+    """The points that ``rows`` measured or recorded a failure for."""
+    return {point_key(row) for row in rows}
+
+
+def ok_rows(rows: Iterable[_Row]) -> list[_Row]:
+    """The rows of points that were measured (schema 1 rows have no status: all measured)."""
+    return [row for row in rows if row.get("status", OK) == OK]
+
+
+def failure_row(
+    point: Mapping[str, Any],
+    *,
+    env: Mapping[str, Any],
+    world_size: int,
+    report: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The row of a point whose ranks failed: what failed, and the memory it had reached.
+
+    Args:
+        point: ``{"model", "strategy", "knobs"}``.
+        env: The run's environment.
+        world_size: Ranks of the point.
+        report: The failing rank's report: ``rank``, ``oom``, ``error`` (its last line),
+            ``memory_bytes``.
+    """
+    return {
+        "model": point["model"],
+        "strategy": point["strategy"],
+        "knobs": dict(point.get("knobs", {})),
+        "world_size": world_size,
+        "backend": env.get("backend"),
+        "device": env.get("device"),
+        "status": OOM if report.get("oom") else FAILED,
+        "error": report.get("error"),
+        "failed_rank": report.get("rank"),
+        "peak_mem_bytes": report.get("memory_bytes"),
+    }
+
+
+def describe_failure(row: Mapping[str, Any]) -> str:
+    """``"ddp large: out of memory at 74.0 GiB"`` or ``"... failed: <error>"``."""
+    name = f"{row['strategy']} {row['model']}"
+    knobs = row.get("knobs") or {}
+    if knobs:
+        name += " " + ",".join(f"{k}={v}" for k, v in knobs.items())
+    memory = row.get("peak_mem_bytes")
+    reached = "" if not memory else f" at {memory / 2**30:.1f} GiB"
+    if row.get("status") == OOM:
+        return f"{name}: out of memory{reached} (rank {row.get('failed_rank')})"
+    return f"{name}: failed{reached} (rank {row.get('failed_rank')}): {row.get('error')}"

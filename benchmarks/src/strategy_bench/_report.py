@@ -1,0 +1,140 @@
+"""``report.md``: the environment, the table, the verdict with its reasons, the plots."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from strategy_bench._kept import describe_failure, ok_rows
+
+_MIB = 2**20
+
+
+def write_report(out_dir: Path, payload: Mapping[str, Any], pngs: Sequence[Path]) -> Path:
+    """Write ``out_dir/report.md`` for one run and return its path.
+
+    Args:
+        out_dir: The run directory (the plots are linked relative to it).
+        payload: The run's ``results.json`` content.
+        pngs: The plots drawn for it.
+    """
+    env = payload["env"]
+    rows = payload["results"]
+    measured = ok_rows(rows)
+    lines = ["# strategy-bench report", "", "## Environment", ""]
+    options = env.get("options", {})
+    lines += [
+        f"- device: {env.get('device_name')} ({env['device']}), {env['world_size']} rank(s), "
+        f"{env['backend']}",
+        f"- torch {env.get('torch')}, python {env.get('python')}, git {env.get('git')}",
+        f"- dtype {options.get('dtype')}, batch {options.get('batch_size')} per rank, "
+        f"{options.get('steps')} timed steps after {options.get('warmup')} warm-up",
+        f"- MFU denominator: {_peak(env)}",
+        "",
+        "## Results",
+        "",
+    ]
+    lines += _table(measured)
+    failures = [row for row in rows if row not in measured]
+    if failures:
+        lines += ["", "Points that did not complete:", ""]
+        lines += [f"- {describe_failure(row)}" for row in failures]
+    lines += ["", "## Verdict", ""]
+    lines += _verdicts(rows) or ["No model was measured under both DDP and FSDP."]
+    lines += ["", "## Plots", ""]
+    lines += [f"![{png.stem}]({png.name})" for png in pngs]
+    path = out_dir / "report.md"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _peak(env: Mapping[str, Any]) -> str:
+    parts = []
+    if env.get("peak_flops"):
+        parts.append(f"{env['peak_flops'] / 1e12:g} TFLOP/s per rank ({env['peak_flops_source']})")
+    if env.get("matmul_flops"):
+        parts.append(f"measured matmul rate {env['matmul_flops'] / 1e12:.1f} TFLOP/s")
+    return "; ".join(parts) or "none (no --peak-tflops and no datasheet entry): no MFU"
+
+
+def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    header = (
+        "| model | strategy | knobs | step ms (p10-p90) | samples/s | MFU | params / grads / "
+        "optimizer / activations MiB per rank | comm MiB per step | ckpt save / raw / load ms |"
+    )
+    lines = [header, "|" + " --- |" * 9]
+    for row in rows:
+        knobs = ", ".join(f"{k}={v}" for k, v in (row.get("knobs") or {}).items()) or "-"
+        mfu = row.get("mfu")
+        memory = " / ".join(
+            f"{row[key] / _MIB:.1f}" if row.get(key) is not None else "-"
+            for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes")
+        )
+        comm = ", ".join(
+            f"{kind} {value / _MIB:.2f}"
+            for kind, value in sorted((row.get("comm_bytes_per_step") or {}).items())
+        )
+        ckpt = (
+            f"{row['ckpt_save_ms']:.0f} / {row['raw_ckpt_save_ms']:.0f} / {row['ckpt_load_ms']:.0f}"
+            if row.get("ckpt_save_ms") is not None
+            else "-"
+        )
+        lines.append(
+            f"| {row['model']} | {row['strategy']} | {knobs} | {row['step_ms_median']:.1f} "
+            f"({row['step_ms_p10']:.1f}-{row['step_ms_p90']:.1f}) | {row['samples_per_s']:.1f} | "
+            f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {memory} | {comm or '-'} | {ckpt} |"
+        )
+    return lines
+
+
+def _static(row: Mapping[str, Any]) -> int:
+    return sum(int(row.get(key) or 0) for key in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+
+
+def _comm(row: Mapping[str, Any]) -> int:
+    return sum((row.get("comm_bytes_per_step") or {}).values())
+
+
+def verdict(ddp: Mapping[str, Any], fsdp: Mapping[str, Any]) -> str:
+    """One model's verdict in measured figures (both rows at their default knobs)."""
+    model = ddp["model"]
+    failed = [row for row in (ddp, fsdp) if row.get("status", "ok") != "ok"]
+    if failed:
+        other = [row for row in (ddp, fsdp) if row not in failed]
+        text = "; ".join(describe_failure(row) for row in failed)
+        for row in other:
+            text += (
+                f"; {row['strategy']} fits at {row['peak_mem_bytes'] / 2**30:.2f} GiB "
+                f"({row['samples_per_s']:.1f} samples/s)"
+            )
+        return f"- `{model}`: {text}."
+    speed = fsdp["samples_per_s"] / ddp["samples_per_s"]
+    faster = "DDP" if speed < 1 else "FSDP"
+    text = f"- `{model}`: FSDP ran at {speed:.2f}x DDP's throughput ({faster} wins)"
+    reasons = []
+    if _comm(ddp) and _comm(fsdp):
+        reasons.append(
+            f"FSDP moved {_comm(fsdp) / _comm(ddp):.1f}x DDP's bytes per step "
+            f"({_comm(fsdp) / _MIB:.2f} vs {_comm(ddp) / _MIB:.2f} MiB per rank)"
+        )
+    if _static(ddp) and _static(fsdp):
+        saved = 1 - _static(fsdp) / _static(ddp)
+        reasons.append(
+            f"and {'saved' if saved >= 0 else 'added'} {abs(100 * saved):.0f}% of static memory "
+            f"per rank (parameters, gradients, optimizer state: {_static(fsdp) / _MIB:.1f} vs "
+            f"{_static(ddp) / _MIB:.1f} MiB)"
+        )
+    if reasons:
+        text += ": " + " ".join(reasons)
+    return text + "."
+
+
+def _verdicts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    by = {(r["model"], r["strategy"]): r for r in rows if not r.get("knobs")}
+    models = dict.fromkeys(r["model"] for r in rows)
+    return [
+        verdict(by[(model, "ddp")], by[(model, "fsdp")])
+        for model in models
+        if (model, "ddp") in by and (model, "fsdp") in by
+    ]
