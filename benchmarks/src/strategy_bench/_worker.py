@@ -21,7 +21,14 @@ from strategy_bench._results import environment, merge_ranks, write_results
 
 logger = logging.getLogger(__name__)
 
-_QUIET = ("ddp_wrap", "fsdp_wrap", "replica_init", "distributed_strategy", "torch")
+_QUIET = (
+    "ddp_wrap",
+    "fsdp_wrap",
+    "replica_init",
+    "checkpoint_io",
+    "distributed_strategy",
+    "torch",
+)
 
 
 def configure_logging() -> None:
