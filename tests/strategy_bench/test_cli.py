@@ -447,27 +447,39 @@ def test_kept_results(tmp_path: Path) -> None:
     out = tmp_path / "run"
     user = ["--model-factory", "bench_factories:oom_on_rank1"]
     user += ["--input-factory", "bench_factories:make_batch"]
-    done = bench("run", *QUICK, *user, "--models", "tiny", "--strategies", "ddp", "--out", str(out))
-    assert done.returncode == 0, done.stderr
+    done = bench("run", *QUICK, *user, "--strategies", "ddp", "--out", str(out))
+    assert done.returncode == 1, done.stderr  # nothing could be measured
     first = json.loads((out / "results.json").read_text())
     assert first["schema"] == 2
-    oom, ok = first["results"]
+    (oom,) = first["results"]
     assert (oom["model"], oom["strategy"], oom["status"]) == ("oom_on_rank1", "ddp", "oom")
     assert oom["failed_rank"] == 1 and oom["peak_mem_bytes"] > 0
     assert "OutOfMemoryError: CUDA out of memory" in oom["error"]
-    assert (ok["model"], ok["status"]) == ("tiny", "ok")
     assert "ddp oom_on_rank1: out of memory at" in done.stdout
     assert "going on with the next point" in done.stderr
-    assert_png(out / "throughput.png")  # the plots show the measured point
 
     again = bench("run", *QUICK, "--models", "tiny", "--out", str(out), timeout=60)
     assert again.returncode == 2
     assert "already holds results" in again.stderr and "--resume" in again.stderr
     assert json.loads((out / "results.json").read_text()) == first
 
-    more = bench("run", *QUICK, "--models", "tiny", "--resume", "--out", str(out))
+    more = bench(
+        "run",
+        *QUICK,
+        *user,
+        "--models",
+        "tiny",
+        "--strategies",
+        "ddp",
+        "--resume",
+        "--out",
+        str(out),
+    )
     assert more.returncode == 0, more.stderr
     rows = json.loads((out / "results.json").read_text())["results"]
-    assert rows[:2] == first["results"]  # kept as they were
-    assert [(r["model"], r["strategy"], r["status"]) for r in rows[2:]] == [("tiny", "fsdp", "ok")]
-    assert "1 configuration(s)" in more.stderr  # tiny ddp was there already
+    assert rows[:1] == first["results"]  # kept as it was
+    assert [(r["model"], r["strategy"], r["status"]) for r in rows[1:]] == [("tiny", "ddp", "ok")]
+    assert "1 configuration(s)" in more.stderr  # oom_on_rank1 ddp was there already
+    assert "ddp oom_on_rank1: out of memory at" in more.stdout  # the table and report say so
+    assert "out of memory" in (out / "report.md").read_text()
+    assert_png(out / "throughput.png")  # the plots show the measured points
