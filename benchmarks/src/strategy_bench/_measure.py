@@ -242,9 +242,17 @@ def _account(
 
 
 def warm_up_process(device: torch.device) -> None:
-    """Pay the process's one-time costs (imports, first collectives) before anything is timed."""
+    """Pay the process's one-time costs (imports, first collectives) before anything is timed.
+
+    Then freeze what the process holds so far (``gc.freeze``): every wrap is preceded by a
+    full collection, so that no earlier wrapper is freed inside a timing, and a collection
+    that walks only what the run created since costs a few ms instead of ~130 ms here.
+    """
     probe = nn.Linear(8, 8).to(device)
     for strategy in _wrappers.STRATEGIES:
         wrapped = _wrappers.raw(strategy, copy.deepcopy(probe), device, {})
         wrapped(torch.ones(2, 8, device=device)).sum().backward()
+    del wrapped, probe
+    gc.collect()
+    gc.freeze()
     dist.barrier()
