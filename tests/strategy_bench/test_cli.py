@@ -326,6 +326,14 @@ def test_user_model_end_to_end(tmp_path: Path) -> None:
             "--init-params must be a JSON object",
         ),
         (["plot", "/nonexistent/results.json"], "cannot read results file"),
+        (
+            ["run", "--device", "cpu", "--peak-tflops", "0"],
+            "--peak-tflops must be positive TFLOP/s, got 0.0",
+        ),
+        (
+            ["run", "--device", "cpu", "--overwrite", "--resume"],
+            "--overwrite and --resume exclude each other; pick one",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -338,6 +346,29 @@ def test_bad_input_is_one_line_and_exit_2(
     assert len(lines) == 1, captured.err
     assert lines[0].startswith("strategy-bench: error: ") and message in lines[0], lines[0]
     assert captured.out == ""
+
+
+def test_resume_needs_results_and_something_to_measure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In-process, before any rank starts; the results file is left as it was."""
+    out = tmp_path / "run"
+    assert exit_code(["run", "--device", "cpu", "--resume", "--out", str(out)]) == 2
+    assert "--resume but" in capsys.readouterr().err and not out.exists()
+    out.mkdir()
+    failed = {"status": "failed", "knobs": {}, "error": "x"}
+    payload = {
+        "schema": 2,
+        "env": {},
+        "results": [{**failed, "model": "tiny", "strategy": s} for s in ("ddp", "fsdp")],
+        "skipped": [],
+    }
+    (out / "results.json").write_text(json.dumps(payload))
+    args = ["run", "--device", "cpu", "--models", "tiny", "--resume", "--out", str(out)]
+    assert exit_code(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds every point of this run; nothing to measure" in err[0]
+    assert json.loads((out / "results.json").read_text()) == payload
 
 
 def test_cuda_requests_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:

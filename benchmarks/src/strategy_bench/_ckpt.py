@@ -34,9 +34,8 @@ def checkpoint_cost(
     ``ckpt_save_ms``, ``raw_ckpt_save_ms``, ``ckpt_load_ms`` (verified, the default) and
     ``ckpt_bytes`` (the checkpoint's files, counted on rank 0).
     """
-    shared: list[str | None] = [tempfile.mkdtemp(prefix="strategy-bench-ckpt-")]
-    if dist.get_rank() != 0:
-        shutil.rmtree(shared[0] or "", ignore_errors=True)
+    first = dist.get_rank() == 0
+    shared = [tempfile.mkdtemp(prefix="strategy-bench-ckpt-") if first else None]
     dist.broadcast_object_list(shared, src=0)
     folder = Path(str(shared[0]))
 
@@ -66,5 +65,5 @@ def checkpoint_cost(
         )
     finally:
         dist.barrier()
-        if dist.get_rank() == 0:
+        if first:
             shutil.rmtree(folder, ignore_errors=True)

@@ -199,6 +199,8 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
             )
     if args.warmup < 0:
         raise BenchUsageError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise BenchUsageError(f"--peak-tflops must be positive TFLOP/s, got {args.peak_tflops}")
     if args.seq_len is not None and args.seq_len < 2:
         raise BenchUsageError(f"--seq-len must be >= 2, got {args.seq_len}")
     if args.dtype == "bf16" and device == "cuda" and not _cuda_bf16():

@@ -49,7 +49,7 @@ def check_out(out: Path, *, overwrite: bool, resume: bool) -> list[dict[str, Any
             f"--out {str(out)!r} already holds results ({str(results)!r}); pass --resume to "
             "measure only the points it lacks, --overwrite to replace it, or another --out"
         )
-    from strategy_bench._results import read_results  # imports torch: only when resuming
+    from strategy_bench._results import read_results  # _results imports this module
 
     try:
         payload = read_results(results)
@@ -104,12 +104,16 @@ def failure_row(
     }
 
 
+def knob_text(knobs: Mapping[str, Any] | None, sep: str = ",") -> str:
+    """``"bucket_cap_mb=1,static_graph=True"``; empty for a point at its defaults."""
+    return sep.join(f"{k}={v}" for k, v in (knobs or {}).items())
+
+
 def describe_failure(row: Mapping[str, Any]) -> str:
     """``"ddp large: out of memory at 74.0 GiB"`` or ``"... failed: <error>"``."""
     name = f"{row['strategy']} {row['model']}"
-    knobs = row.get("knobs") or {}
-    if knobs:
-        name += " " + ",".join(f"{k}={v}" for k, v in knobs.items())
+    if row.get("knobs"):
+        name += " " + knob_text(row["knobs"])
     memory = row.get("peak_mem_bytes")
     reached = "" if not memory else f" at {memory / 2**30:.1f} GiB"
     if row.get("status") == OOM:

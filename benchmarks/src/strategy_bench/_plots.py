@@ -11,7 +11,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # the backend is chosen first
 
-from strategy_bench._kept import ok_rows
+from strategy_bench._kept import knob_text, ok_rows
+from strategy_bench._results import MEMORY_KINDS
 
 _COLOURS = (
     "#4C72B0",
@@ -62,10 +63,23 @@ def _rows(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> list[tuple[str, dict
 def _series_label(label: str, row: Mapping[str, Any], multi: bool) -> str:
     """Strategy, its non-default knobs (sweeps), and the run when several are compared."""
     name = row["strategy"].upper()
-    knobs = row.get("knobs") or {}
-    if knobs:
-        name += " " + ",".join(f"{k}={v}" for k, v in knobs.items())
+    if row.get("knobs"):
+        name += " " + knob_text(row["knobs"])
     return f"{name} - {label}" if multi else name
+
+
+def _points(
+    runs: Sequence[tuple[str, Mapping[str, Any]]], needs: str | None = None
+) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
+    """The measured rows (those with ``needs``, e.g. schema 2 fields) and a bar label each."""
+    rows = [(label, row) for label, row in _rows(runs) if needs is None or needs in row]
+    multi = len(runs) > 1
+    return rows, [f"{row['model']}\n{_series_label(label, row, multi)}" for label, row in rows]
+
+
+def _point_figure(groups: Sequence[str]) -> tuple[Any, Any]:
+    """A figure wide enough for one bar group per point."""
+    return plt.subplots(figsize=(max(7, 1.8 * len(groups)), 4.8))
 
 
 def _grouped(
@@ -168,16 +182,14 @@ def _fsdp_over_ddp(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, f
 
 
 def _wrap_overhead(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
-    rows = _rows(runs)
-    multi = len(runs) > 1
-    groups = [f"{row['model']}\n{_series_label(label, row, multi)}" for label, row in rows]
+    rows, groups = _points(runs)
     series = {
         "ours, warm": [row["wrap_ms"] for _, row in rows],
         "raw torch, warm": [row["raw_wrap_ms"] for _, row in rows],
         "ours, cold group": [row.get("wrap_cold_ms") for _, row in rows],
         "raw torch, cold group": [row.get("raw_wrap_cold_ms") for _, row in rows],
     }
-    fig, ax = plt.subplots(figsize=(max(7, 1.8 * len(groups)), 4.8))
+    fig, ax = _point_figure(groups)
     _bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
     ax.set_ylabel("wrap time, ms (lower is better)")
     ratios = ", ".join(
@@ -193,9 +205,7 @@ def _wrap_overhead(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) ->
 
 
 def _memory(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
-    rows = _rows(runs)
-    multi = len(runs) > 1
-    groups = [f"{row['model']}\n{_series_label(label, row, multi)}" for label, row in rows]
+    rows, groups = _points(runs)
     world = max(len(row["peak_mem_per_rank"]) for _, row in rows)
     series = {
         f"rank {rank}": [
@@ -204,7 +214,7 @@ def _memory(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
         ]
         for rank in range(world)
     }
-    fig, ax = plt.subplots(figsize=(max(7, 1.8 * len(groups)), 4.8))
+    fig, ax = _point_figure(groups)
     _bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
     device = runs[0][1]["env"]["device"]
     what = "CUDA allocator peak" if device == "cuda" else "process RSS peak (whole process)"
@@ -214,26 +224,24 @@ def _memory(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
     return _save(fig, path)
 
 
-_KINDS = (
-    ("param_bytes", "parameters"),
-    ("grad_bytes", "gradients"),
-    ("optimizer_bytes", "optimizer state"),
-    ("activation_peak_bytes", "activations saved for backward"),
-)
+_KIND_NAMES = {
+    "param": "parameters",
+    "grad": "gradients",
+    "optimizer": "optimizer state",
+    "activation_peak": "activations saved for backward",
+}
 
 
 def _memory_breakdown(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path | None:
     """Per-rank memory stacked by kind, one bar per (model, strategy); schema 2 rows only."""
-    rows = [(label, row) for label, row in _rows(runs) if "param_bytes" in row]
+    rows, groups = _points(runs, needs="param_bytes")
     if not rows:
         return None
-    multi = len(runs) > 1
-    groups = [f"{row['model']}\n{_series_label(label, row, multi)}" for label, row in rows]
-    fig, ax = plt.subplots(figsize=(max(7, 1.8 * len(groups)), 4.8))
+    fig, ax = _point_figure(groups)
     bottom = [0.0] * len(rows)
-    for (key, name), color in zip(_KINDS, _COLOURS, strict=False):
-        values = [row[key] / 2**20 for _, row in rows]
-        ax.bar(groups, values, bottom=bottom, label=name, color=color)
+    for kind, color in zip(MEMORY_KINDS, _COLOURS, strict=False):
+        values = [row[f"{kind}_bytes"] / 2**20 for _, row in rows]
+        ax.bar(groups, values, bottom=bottom, label=_KIND_NAMES[kind], color=color)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     for x, total in enumerate(bottom):
         ax.annotate(f"{total:.1f}", (x, total), ha="center", va="bottom", fontsize=8)
@@ -249,17 +257,15 @@ def _memory_breakdown(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path)
 
 def _checkpoint(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path | None:
     """Checkpoint save (ours vs raw DCP) and load times; schema 2 rows only."""
-    rows = [(label, row) for label, row in _rows(runs) if "ckpt_save_ms" in row]
+    rows, groups = _points(runs, needs="ckpt_save_ms")
     if not rows:
         return None
-    multi = len(runs) > 1
-    groups = [f"{row['model']}\n{_series_label(label, row, multi)}" for label, row in rows]
     series = {
         "save, checkpoint-io": [row["ckpt_save_ms"] for _, row in rows],
         "save, raw get_state_dict + dcp.save": [row["raw_ckpt_save_ms"] for _, row in rows],
         "load, checkpoint-io (verified)": [row["ckpt_load_ms"] for _, row in rows],
     }
-    fig, ax = plt.subplots(figsize=(max(7, 1.8 * len(groups)), 4.8))
+    fig, ax = _point_figure(groups)
     _bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
     ax.set_ylabel("ms (lower is better)")
     sizes = ", ".join(

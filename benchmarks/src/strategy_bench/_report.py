@@ -6,7 +6,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from strategy_bench._kept import describe_failure, ok_rows
+from strategy_bench._kept import describe_failure, knob_text, ok_rows
+from strategy_bench._results import MEMORY_KINDS
 
 _MIB = 2**20
 
@@ -65,11 +66,11 @@ def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     )
     lines = [header, "|" + " --- |" * 9]
     for row in rows:
-        knobs = ", ".join(f"{k}={v}" for k, v in (row.get("knobs") or {}).items()) or "-"
+        knobs = knob_text(row.get("knobs"), ", ") or "-"
         mfu = row.get("mfu")
         memory = " / ".join(
             f"{row[key] / _MIB:.1f}" if row.get(key) is not None else "-"
-            for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes")
+            for key in (f"{kind}_bytes" for kind in MEMORY_KINDS)
         )
         comm = ", ".join(
             f"{kind} {value / _MIB:.2f}"
@@ -89,7 +90,8 @@ def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def _static(row: Mapping[str, Any]) -> int:
-    return sum(int(row.get(key) or 0) for key in ("param_bytes", "grad_bytes", "optimizer_bytes"))
+    """Parameters, gradients and optimizer state: every kind but the activations."""
+    return sum(int(row.get(f"{kind}_bytes") or 0) for kind in MEMORY_KINDS[:-1])
 
 
 def _comm(row: Mapping[str, Any]) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from strategy_bench._kept import OK, OOM
+from strategy_bench._kept import OK, OOM, knob_text
 from strategy_bench._sweep import budgeted
 
 
@@ -25,7 +25,7 @@ def summary_table(rows: Sequence[Mapping[str, Any]]) -> str:
     )
     lines: list[tuple[str, ...]] = [header]
     for row in rows:
-        knobs = ",".join(f"{k}={v}" for k, v in row.get("knobs", {}).items()) or "-"
+        knobs = knob_text(row.get("knobs")) or "-"
         if row.get("status", OK) != OK:
             reached = row.get("peak_mem_bytes")
             what = "out of memory" if row["status"] == OOM else "failed"

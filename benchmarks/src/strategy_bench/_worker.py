@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from strategy_bench._budget import TimeBudget
 from strategy_bench._flops import measure_matmul_flops
+from strategy_bench._kept import knob_text
 from strategy_bench._measure import measure, warm_up_process
 from strategy_bench._plan import Plan
 from strategy_bench._results import environment, merge_ranks, write_results
@@ -98,7 +99,7 @@ def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -
             f"{workloads[config.workload].name}"
         )
         if config.knobs:
-            label += " " + " ".join(f"{k}={v}" for k, v in config.knobs.items())
+            label += " " + knob_text(config.knobs, " ")
         if not _fits_on_every_rank(budget, config.workload):
             skipped.append(config.describe(plan.workloads))
             if rank == 0:
