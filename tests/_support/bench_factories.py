@@ -61,3 +61,11 @@ class OomOnRank1(UserNet):
 
 def oom_on_rank1(width: int = 16) -> OomOnRank1:
     return OomOnRank1(width)
+
+
+class NeedsData(UserNet):
+    """Reads a parameter's value while it is built: cannot be built on the meta device."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__(width)
+        self.scale = float(self.stem.weight.detach().abs().max())

@@ -131,6 +131,11 @@ class TestWithGroup:
         with pytest.raises(ValueError, match="parameter 'weight' of Linear is on cpu"):
             check_wrap_preconditions(nn.Linear(2, 2), "meta", wrapper="w")
         assert check_wrap_preconditions(nn.Linear(2, 2), "cpu", wrapper="w").type == "cpu"
+        on_meta = nn.Linear(2, 2, device="meta")
+        with pytest.raises(ValueError, match="parameter 'weight' of Linear is on meta"):
+            check_wrap_preconditions(on_meta, "cpu", wrapper="w")
+        # A wrapper that shards unmaterialized models (FSDP2's deferred init) accepts it.
+        assert check_wrap_preconditions(on_meta, "cpu", wrapper="w", allow_meta=True).type == "cpu"
 
     # Importing dynamo for torch.compile warns about torch.jit in torch 2.13.
     @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")

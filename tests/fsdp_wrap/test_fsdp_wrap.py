@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -169,6 +170,20 @@ class TestWrap:
         with pytest.raises(ValueError, match="shard names class"):
             wrap_module_fsdp(model, device="cpu", shard=["Nope"])
         assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+    def test_a_model_on_meta_is_sharded_then_materialized(self) -> None:
+        """FSDP2's deferred initialization: shard on meta, then ``to_empty`` and initialize."""
+        torch.manual_seed(0)
+        reference = Regressor()
+        with torch.device("meta"):
+            model = Regressor()
+        wrap_module_fsdp(model, device="cpu")
+        assert all(isinstance(p, DTensor) and p.device.type == "meta" for p in model.parameters())
+        model.to_empty(device="cpu")
+        full = StateDictOptions(full_state_dict=True)  # plain tensors in, local shards kept
+        set_model_state_dict(model, reference.state_dict(), options=full)
+        x = torch.randn(3, 8)
+        assert torch.allclose(model(x), reference(x))
 
     def test_mesh(self) -> None:
         mesh = init_device_mesh("cpu", (1,))

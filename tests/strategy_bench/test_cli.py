@@ -32,11 +32,15 @@ QUICK = [
 
 
 def bench(
-    *args: str, timeout: float = 300, launcher: tuple[str, ...] = ()
+    *args: str,
+    timeout: float = 300,
+    launcher: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``python [launcher...] -m strategy_bench ARGS`` with the test factories importable."""
     env = {
         **os.environ,
+        **(env or {}),
         "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
     }
@@ -120,6 +124,37 @@ def test_run_smoke(tmp_path: Path) -> None:
     assert "FSDP/DDP throughput" in done.stdout and "step ms (p10-p90)" in done.stdout
     assert "peak MiB alloc/reserved" in done.stdout
 
+    # The estimate of the same points (fake process group, meta and fake tensors) agrees
+    # with what the run measured on 2 real ranks, under both strategies.
+    estimated = tmp_path / "estimate"
+    done = bench(
+        "estimate",
+        "--models",
+        "tiny",
+        "--world-size",
+        "2",
+        "512",
+        "--batch-size",
+        "2",
+        "--jobs",
+        "1",
+        "--compare",
+        str(out / "results.json"),
+        "--out",
+        str(estimated),
+    )
+    assert done.returncode == 0, done.stderr
+    estimate = json.loads((estimated / "estimate.json").read_text())
+    checked = {row["strategy"]: row for row in estimate["agreement"]}
+    assert sorted(checked) == ["ddp", "fsdp"]
+    for row in checked.values():
+        assert row["world_size"] == 2 and row["ok"], row
+        assert row["static_error"] <= 0.05, row
+        assert row["activation_error"] <= 0.20, row
+        assert row["comm_error"] <= 0.01, row
+    assert "estimate vs measured:" in done.stdout
+    assert_png(estimated / "estimate.png")
+
     compare = tmp_path / "compare"
     replot = bench(
         "plot", str(out / "results.json"), str(out / "results.json"), "--out", str(compare)
@@ -201,6 +236,50 @@ def test_user_model_end_to_end(tmp_path: Path) -> None:
     }
     for row in rows:
         assert row["activation_peak_bytes"] > 0
+
+    # The estimate of the user model, trainable policy included, at 2 ranks (checked against
+    # the run) and at 64: a shard per rank, padded (16 rows do not split in 64).
+    estimated = tmp_path / "estimate"
+    done = bench(
+        "estimate",
+        "--model-factory",
+        "bench_factories:make_model",
+        "--init-params",
+        '{"width": 16, "depth": 3}',
+        "--input-factory",
+        "bench_factories:make_batch",
+        "--trainable",
+        "bench_factories:freeze_stem",
+        "--world-size",
+        "2",
+        "64",
+        "--batch-size",
+        "2",
+        "--jobs",
+        "2",
+        "--compare",
+        str(out / "results.json"),
+        "--out",
+        str(estimated),
+    )
+    assert done.returncode == 0, done.stderr
+    estimate = json.loads((estimated / "estimate.json").read_text())
+    assert len(estimate["agreement"]) == 2 and all(r["ok"] for r in estimate["agreement"])
+    by = {(r["strategy"], tuple(r["knobs"].items()), r["world_size"]): r for r in estimate["rows"]}
+    assert by[("ddp", (), 64)]["param_bytes"] == 4 * params  # every rank holds all of it
+    assert by[("ddp", (), 64)]["comm_bytes_per_step"] == {"all_reduce": 4 * trainable}
+    wide = by[("fsdp", (), 64)]
+    # Rank 0 of 64 holds one row of each of the 4 weights and one element of each bias.
+    assert wide["param_bytes"] == 4 * 4 * (16 + 1)
+    assert wide["trainable_params"] == trainable and wide["params"] == params
+    unsharded = by[("fsdp", (("reshard_after_forward", False),), 64)]
+    assert (
+        unsharded["comm_bytes_per_step"]["all_gather"] < wide["comm_bytes_per_step"]["all_gather"]
+    )
+    mixed = by[("fsdp", (("param_dtype", "bf16"), ("reduce_dtype", "fp32")), 64)]
+    assert (
+        mixed["comm_bytes_per_step"]["all_gather"] * 2 == wide["comm_bytes_per_step"]["all_gather"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -326,6 +405,25 @@ def test_user_model_end_to_end(tmp_path: Path) -> None:
             "--init-params must be a JSON object",
         ),
         (["plot", "/nonexistent/results.json"], "cannot read results file"),
+        (["estimate", "--world-size", "8", "0"], "--world-size must be >= 1, got 0"),
+        (["estimate", "--jobs", "0"], "--jobs must be >= 1, got 0"),
+        (["estimate", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["estimate", "--compare", "/nonexistent/results.json"], "cannot read results file"),
+        (
+            [
+                "estimate",
+                "--model-factory",
+                "bench_factories:NeedsData",
+                "--input-factory",
+                "bench_factories:make_batch",
+            ],
+            "estimate builds the model on the meta device (no memory), and NeedsData(**{}) "
+            "failed there",
+        ),
+        (
+            ["sweep", "--device", "cpu", "--knobs", "warp_speed"],
+            "--knobs: unknown knob 'warp_speed'; the sweep's knobs are activation_checkpointing",
+        ),
         (
             ["run", "--device", "cpu", "--peak-tflops", "0"],
             "--peak-tflops must be positive TFLOP/s, got 0.0",
@@ -369,6 +467,25 @@ def test_resume_needs_results_and_something_to_measure(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "already holds every point of this run; nothing to measure" in err[0]
     assert json.loads((out / "results.json").read_text()) == payload
+
+
+def test_estimate_keeps_an_earlier_estimate(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In-process: --out is checked before anything is estimated; nothing is overwritten."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert exit_code(["estimate", "--models", "tiny", "--out", str(a_file)]) == 2
+    assert "is a file; give a directory for the estimate" in capsys.readouterr().err
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "estimate.json").write_text("{}")
+    assert exit_code(["estimate", "--models", "tiny", "--out", str(earlier)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert (
+        len(err) == 1 and "already holds an estimate; pass --overwrite or another --out" in err[0]
+    )
+    assert (earlier / "estimate.json").read_text() == "{}"
 
 
 def test_cuda_requests_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
@@ -423,21 +540,55 @@ def test_a_failing_rank_ends_the_run_promptly(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 def test_sweep_rows_budget_and_recommendation(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
-    # The first 2 points (most informative first); the full sweep of 11 points costs minutes.
-    done = bench("sweep", *QUICK, "--models", "tiny", "--max-points", "2", "--out", str(out))
+    knobs = ("activation_checkpointing", "grad_accum", "compile")
+    # No C++ compiler for inductor: the compile points are skipped with the reason, learnt
+    # once, and do not count against --max-points.
+    done = bench(
+        "sweep",
+        *QUICK,
+        "--models",
+        "tiny",
+        "--knobs",
+        *knobs,
+        "--max-points",
+        "2",
+        "--out",
+        str(out),
+        env={"CXX": str(tmp_path / "no-such-compiler")},
+    )
     assert done.returncode == 0, done.stderr
     payload = json.loads((out / "results.json").read_text())
-    points = sweep_points(bf16=True)
-    assert [(r["strategy"], r["knobs"]) for r in payload["results"]] == points[:2]
-    assert [(s["strategy"], s["knobs"]) for s in payload["skipped"]] == points[2:]
-    assert "skipped (time budget 900 s, --max-points 2)" in done.stderr
+    points = [p for p in sweep_points(bf16=True) if any(k in p[1] for k in knobs)]
+    assert [p[1] for p in points[:3]] == [
+        {"activation_checkpointing": True},
+        {"compile": True},
+        {"compile": True},
+    ]
+    rows = payload["results"]
+    assert [(r["strategy"], r["knobs"]) for r in rows] == [points[0], points[3]]
+    checkpointed, accumulated = rows
+    assert checkpointed["activation_peak_bytes"] > 0
+    assert accumulated["knobs"] == {"grad_accum": 4}
+    assert accumulated["batch_size"] == 4 * 2  # samples per rank per optimizer step
+    # One all-reduce per optimizer step: the first 3 micro-steps ran under no_sync.
+    assert accumulated["comm_calls_per_step"] == {"all_reduce": 1}
+    assert accumulated["comm_bytes_per_step"]["all_reduce"] == accumulated["grad_bytes"]
+    assert [(s["strategy"], s["knobs"]) for s in payload["skipped"]] == points[1:3] + points[4:]
+    compile_skips = payload["skipped"][:2]
+    for skipped in compile_skips:
+        assert skipped["reason"].startswith("torch.compile does not work on cpu: "), skipped
+        assert "no-such-compiler" in skipped["reason"]
+    assert all("--max-points 2" in s["reason"] for s in payload["skipped"][2:])
+    assert "skipped: ddp tiny compile=True (torch.compile does not work on cpu" in done.stdout
     section = json.loads((out / "recommended.json").read_text())
-    config = DistributedConfig.from_mapping(section)
-    best = max(payload["results"], key=lambda r: r["samples_per_s"])
+    config = DistributedConfig.from_mapping(section)  # the step knobs are not in it
+    best = max(rows, key=lambda r: r["samples_per_s"])
     assert config.strategy == best["strategy"]
-    for key, value in best["knobs"].items():
-        assert section[key] == value
     assert "training:\n  distributed:\n    strategy: " in done.stdout
+    step_knob = next(iter(best["knobs"]))
+    assert f"  # the trainer's step settings this point was measured with:\n  {step_knob}: " in (
+        done.stdout
+    )
     assert_png(out / "sweep.png")
 
     tight = tmp_path / "tight"
@@ -456,8 +607,13 @@ def test_sweep_rows_budget_and_recommendation(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     payload = json.loads((tight / "results.json").read_text())
     assert len(payload["results"]) == 1  # the first point always runs; nothing else fits
-    assert len(payload["skipped"]) == len(points) - 1
-    assert payload["skipped"][0] == {"model": "tiny", "strategy": "fsdp", "knobs": {}}
+    assert len(payload["skipped"]) == len(sweep_points(bf16=True)) - 1
+    assert payload["skipped"][0] == {
+        "model": "tiny",
+        "strategy": "fsdp",
+        "knobs": {},
+        "reason": "time budget 0 s",
+    }
     assert "no measured point fits --memory-budget 1 MiB" in done.stdout
     assert not (tight / "recommended.json").exists()
 

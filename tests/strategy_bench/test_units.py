@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import warnings
 from typing import Any
 
 import pytest
@@ -114,3 +115,100 @@ def test_peak_flops_sources() -> None:
     assert datasheet_peak("AMD EPYC", "fp32") is None
     assert peak_flops("NVIDIA H200", "bf16", 500.0) == (500e12, "--peak-tflops 500")
     assert peak_flops("x86_64", "fp32", None) == (None, None)
+
+
+def _tiny_model() -> Any:
+    import torch
+
+    from strategy_bench import PRESETS, BenchTransformer
+
+    torch.manual_seed(0)
+    return BenchTransformer(**PRESETS["tiny"].init_params())
+
+
+def _grads(model: Any, tokens: Any) -> list[Any]:
+    from strategy_bench._presets import next_token_loss
+
+    model.zero_grad(set_to_none=True)
+    next_token_loss(model, tokens).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_block_knobs_change_how_the_step_runs_not_what_it_computes() -> None:
+    """Activation checkpointing and per-block compile (eager backend: no C++ compiler
+    needed) on the shard units; the gradients stay those of the plain model."""
+    import copy
+
+    import torch
+
+    from strategy_bench._accounting import saved_activation_bytes
+    from strategy_bench._knobs import prepare_blocks
+
+    tokens = torch.randint(0, 512, (2, 17))
+    plain = _tiny_model()
+    reference = _grads(plain, tokens)
+    assert prepare_blocks(plain, {"grad_accum": 2}) == []  # not a block knob
+    checkpointed = copy.deepcopy(plain)
+    blocks = prepare_blocks(checkpointed, {"activation_checkpointing": True})
+    assert {id(b) for b in blocks} == {id(b) for b in checkpointed.blocks}
+    for got, want in zip(_grads(checkpointed, tokens), reference, strict=True):
+        torch.testing.assert_close(got, want)
+    with saved_activation_bytes(plain) as full:
+        plain(tokens[:, :-1])
+    with saved_activation_bytes(checkpointed) as kept:
+        checkpointed(tokens[:, :-1])
+    assert 0 < kept[0] < full[0] / 2  # a block keeps its input, not its activations
+    twin = copy.deepcopy(checkpointed)  # the checkpointed forward follows the copy
+    assert twin.blocks[0].forward.__self__ is twin.blocks[0]
+    compiled = copy.deepcopy(plain)
+    prepare_blocks(compiled, {"compile": "eager"})
+    try:
+        with warnings.catch_warnings():  # dynamo's tracing warns on torch internals
+            warnings.simplefilter("ignore", UserWarning)
+            grads = _grads(compiled, tokens)
+        for got, want in zip(grads, reference, strict=True):
+            torch.testing.assert_close(got, want)
+        assert all(block._compiled_call_impl is not None for block in compiled.blocks)
+    finally:
+        torch.compiler.reset()
+
+
+def test_block_knobs_need_blocks() -> None:
+    from torch import nn
+
+    from strategy_bench._errors import BenchUsageError
+    from strategy_bench._knobs import micro_steps, prepare_blocks
+
+    with pytest.raises(BenchUsageError, match="Linear has no repeated blocks"):
+        prepare_blocks(nn.Linear(2, 2), {"activation_checkpointing": True})
+    with pytest.raises(BenchUsageError, match="grad_accum must be an integer >= 1, got 0"):
+        micro_steps({"grad_accum": 0})
+
+
+def test_agreement_flags_each_kind_beyond_its_tolerance() -> None:
+    from strategy_bench._estimate import agreement
+
+    measured = {
+        "model": "m",
+        "strategy": "fsdp",
+        "knobs": {},
+        "world_size": 2,
+        "batch_size": 2,
+        "dtype": "fp32",
+        "param_bytes": 100,
+        "grad_bytes": 100,
+        "optimizer_bytes": 200,
+        "activation_peak_bytes": 1000,
+        "comm_bytes_per_step": {"all_gather": 800, "reduce_scatter": 200},
+    }
+    close = {**measured, "activation_peak_bytes": 1190}  # 19%: within 20%
+    assert [r["ok"] for r in agreement([close], [measured])] == [True]
+    for change in (
+        {"optimizer_bytes": 222},  # static 5.5% off
+        {"activation_peak_bytes": 1210},  # 21%
+        {"comm_bytes_per_step": {"all_gather": 811, "reduce_scatter": 200}},  # 1.1%
+    ):
+        [row] = agreement([{**measured, **change}], [measured])
+        assert not row["ok"], change
+    other_ranks = {**measured, "world_size": 4}
+    assert agreement([other_ranks], [measured]) == []  # only the world sizes measured

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -11,6 +12,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from distributed_strategy import no_sync
+from strategy_bench._compat import storage_key
 
 # c10d ops (what DDP's reducer and FSDP2 call) by the collective they are, and which
 # argument holds the data that the collective moves per rank: an all-gather's output, a
@@ -99,10 +103,11 @@ def saved_activation_bytes(model: nn.Module) -> Iterator[list[int]]:
     Each storage counts once; the parameters themselves (and views of them, such as a
     transposed weight) are not activations and do not count. The total, in ``[0]`` of the
     yielded list, is what the forward holds for backward at its end: the activation peak of
-    a step, independent of device and allocator.
+    a step, independent of device and allocator. Fake tensors (``strategy-bench estimate``)
+    count the same way: their storages have sizes but no data.
     """
     params = {id(p) for p in model.parameters()}
-    seen: set[tuple[str, int]] = set()
+    seen: set[int] = set()
     total = [0]
 
     def is_parameter(tensor: torch.Tensor) -> bool:
@@ -110,13 +115,74 @@ def saved_activation_bytes(model: nn.Module) -> Iterator[list[int]]:
         return isinstance(base, nn.Parameter) or id(base) in params
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if not is_parameter(tensor) and tensor.device.type != "meta":
-            storage = tensor.untyped_storage()
-            key = (str(tensor.device), storage.data_ptr())
+        if not is_parameter(tensor):
+            key = storage_key(tensor)  # the storage object: real, meta and fake tensors alike
             if key not in seen:
                 seen.add(key)
-                total[0] += storage.nbytes()
+                total[0] += tensor.untyped_storage().nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         yield total
+
+
+def accumulate(
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batches: Sequence[Any],
+    autocast: contextlib.AbstractContextManager[Any],
+    saved: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> None:
+    """Forward and backward of one optimizer step: ``len(batches)`` micro-batches.
+
+    Every micro-step but the last runs under grad-sync's ``no_sync`` (no gradient
+    reduction); each loss is scaled by ``1 / len(batches)``, so the accumulated gradient is
+    the mean over the micro-batches. ``saved`` wraps each forward (the activation count).
+    """
+    for index, batch in enumerate(batches):
+        last = index == len(batches) - 1
+        with contextlib.nullcontext() if last else no_sync(model):
+            with saved(), autocast:
+                loss = loss_fn(model, batch)
+            (loss / len(batches)).backward()  # type: ignore[no-untyped-call]
+
+
+def account(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batches: Sequence[Any],
+    autocast: contextlib.AbstractContextManager[Any],
+) -> dict[str, Any]:
+    """One more (untimed) optimizer step's forward and backward: memory and communication.
+
+    Parameters, gradients and optimizer state are this rank's local storage (an FSDP rank
+    holds about 1/N of each); activations are what one micro-batch's forward saves for
+    backward; the collectives are counted over every micro-batch of the step. The same
+    function measures a real step (``run``) and a step on fake tensors (``estimate``).
+
+    Returns:
+        ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``activation_peak_bytes``,
+        ``comm_bytes_per_step`` and ``comm_calls_per_step``.
+    """
+    optimizer.zero_grad(set_to_none=True)
+    peak = [0]
+
+    @contextmanager
+    def saved() -> Iterator[None]:
+        with saved_activation_bytes(model) as total:
+            yield
+        peak[0] = max(peak[0], total[0])
+
+    with CommBytes() as comm:
+        accumulate(model, loss_fn, batches, autocast, saved)
+    out = {
+        "param_bytes": local_bytes(model.parameters()),
+        "optimizer_bytes": optimizer_bytes(optimizer),
+        "activation_peak_bytes": peak[0],
+        "grad_bytes": local_bytes(p.grad for p in model.parameters()),
+        "comm_bytes_per_step": dict(comm.bytes),
+        "comm_calls_per_step": dict(comm.calls),
+    }
+    optimizer.zero_grad(set_to_none=True)
+    return out

@@ -1,11 +1,13 @@
-"""The ``strategy-bench`` command line: ``run``, ``sweep`` and ``plot``."""
+"""The ``strategy-bench`` command line: ``run``, ``sweep``, ``estimate`` and ``plot``."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -13,19 +15,47 @@ from typing import Any, NoReturn
 import torch
 
 from strategy_bench._errors import BenchUsageError
-from strategy_bench._kept import check_out, describe_failure, done_keys, ok_rows, point_key
+from strategy_bench._estimate import (
+    AGREEMENT,
+    DEFAULT_WORLD_SIZES,
+    EstimateOptions,
+    agreement,
+    estimate_environment,
+    estimate_points,
+    meta_model,
+    peak_rss_bytes,
+    run_estimate,
+)
+from strategy_bench._estimate import SCHEMA as ESTIMATE_SCHEMA
+from strategy_bench._kept import (
+    check_out,
+    describe_failure,
+    describe_skipped,
+    done_keys,
+    knob_text,
+    ok_rows,
+    point_key,
+)
+from strategy_bench._knobs import step_knobs
 from strategy_bench._launch import launch, under_torchrun
 from strategy_bench._plan import Config, Plan, RunOptions, WorkloadSpec
-from strategy_bench._presets import CPU_DEFAULT_MODELS, GPU_DEFAULT_MODELS, PRESETS
+from strategy_bench._presets import (
+    CPU_DEFAULT_MODELS,
+    ESTIMATE_DEFAULT_MODELS,
+    GPU_DEFAULT_MODELS,
+    PRESETS,
+)
 from strategy_bench._report import write_report
-from strategy_bench._results import read_results
+from strategy_bench._results import read_results, write_json_atomic
 from strategy_bench._sweep import parse_memory, recommend, sweep_configs, yaml_section
-from strategy_bench._table import summary_table
+from strategy_bench._table import agreement_table, estimate_table, summary_table
 from strategy_bench._worker import configure_logging
 from strategy_bench._workload import check_workload, load_callable, parse_init_params
 from strategy_bench._wrappers import STRATEGIES
 
 USAGE_EXIT = 2
+
+logger = logging.getLogger(__name__)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,6 +91,16 @@ def _parser() -> argparse.ArgumentParser:
         help="measure only the first N points (most informative first); list the rest as skipped",
     )
     sweep.add_argument(
+        "--knobs",
+        nargs="+",
+        default=None,
+        metavar="KNOB",
+        help=(
+            "sweep only the points that set one of these knobs, e.g. grad_accum "
+            "activation_checkpointing compile (default: every point)"
+        ),
+    )
+    sweep.add_argument(
         "--memory-budget",
         default=None,
         metavar="SIZE",
@@ -70,6 +110,11 @@ def _parser() -> argparse.ArgumentParser:
             "NCCL's buffers, which no allocator statistic shows"
         ),
     )
+    estimate = commands.add_parser(
+        "estimate",
+        help="per-rank memory and communication at world sizes not at hand (no GPU needed)",
+    )
+    _add_estimate_arguments(estimate)
     plot = commands.add_parser("plot", help="redraw plots from results files, side by side")
     plot.add_argument("results", nargs="+", type=Path, metavar="RESULTS.json")
     plot.add_argument("--out", type=Path, default=None, help="folder for the PNGs")
@@ -84,23 +129,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="ranks to spawn (default: every visible GPU on CUDA, 2 on CPU)",
     )
-    parser.add_argument(
-        "--models",
-        nargs="+",
-        choices=sorted(PRESETS),
-        default=None,
-        help="preset sizes (default: tiny small on CPU, small medium large on CUDA)",
-    )
+    _add_workload_arguments(parser, default_models="tiny small on CPU, small medium large on CUDA")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
-    parser.add_argument("--batch-size", type=int, default=8, help="samples per rank per step")
-    parser.add_argument("--seq-len", type=int, default=None, help="override the presets' length")
-    parser.add_argument(
-        "--dtype",
-        choices=("fp32", "bf16"),
-        default="fp32",
-        help="bf16: autocast compute, fp32 master weights",
-    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench-results/latest"))
     parser.add_argument(
@@ -126,6 +157,61 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         default=3600.0,
         metavar="SECONDS",
         help="end the whole run after this (default 3600)",
+    )
+
+
+def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_workload_arguments(parser, default_models="large")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_WORLD_SIZES),
+        metavar="N",
+        help="world sizes to estimate (default: 2 8 64 512)",
+    )
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="also estimate each strategy with every block checkpointed",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        metavar="N",
+        help="points estimated at once, each in its own process (default: min(4, CPUs))",
+    )
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="RESULTS.json",
+        help="check the estimate against these runs at the world sizes they measured",
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-results/estimate"))
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier estimate in --out"
+    )
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser, *, default_models: str) -> None:
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=sorted(PRESETS),
+        default=None,
+        help=f"preset sizes (default: {default_models})",
+    )
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per rank per step")
+    parser.add_argument("--seq-len", type=int, default=None, help="override the presets' length")
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: autocast compute, fp32 master weights",
     )
     parser.add_argument(
         "--model-factory",
@@ -160,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plot":
             return _plot(args.results, args.out)
+        if args.command == "estimate":
+            return _estimate(args)
         plan, extra = _plan(args)
     except BenchUsageError as error:
         sys.stderr.write(f"strategy-bench: error: {error}\n")
@@ -192,7 +280,7 @@ def _cuda_bf16() -> bool:
 def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
     device = _resolve_device(args.device)
     world = _world_size(args.world_size, device)
-    for name in ("steps", "batch_size"):
+    for name in ("steps",):
         if getattr(args, name) < 1:
             raise BenchUsageError(
                 f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
@@ -201,15 +289,14 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         raise BenchUsageError(f"--warmup must be >= 0, got {args.warmup}")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         raise BenchUsageError(f"--peak-tflops must be positive TFLOP/s, got {args.peak_tflops}")
-    if args.seq_len is not None and args.seq_len < 2:
-        raise BenchUsageError(f"--seq-len must be >= 2, got {args.seq_len}")
+    _check_sizes(args)
     if args.dtype == "bf16" and device == "cuda" and not _cuda_bf16():
         raise BenchUsageError("--dtype bf16 but this GPU does not support bfloat16; use fp32")
     workloads = _workloads(args, device)
     extra: dict[str, Any] = {"command": args.command}
     if args.command == "sweep":
         bf16 = device == "cpu" or _cuda_bf16()
-        configs = sweep_configs(len(workloads), bf16)
+        configs = sweep_configs(len(workloads), bf16, knobs=args.knobs)
         extra["memory_budget"] = (
             None if args.memory_budget is None else parse_memory(args.memory_budget)
         )
@@ -307,7 +394,9 @@ def _workloads(args: argparse.Namespace, device: str) -> list[WorkloadSpec]:
         specs.append(spec)
     models = args.models
     if models is None and not specs:
-        if args.command == "sweep":
+        if args.command == "estimate":
+            models = list(ESTIMATE_DEFAULT_MODELS)
+        elif args.command == "sweep":
             models = ["small"] if device == "cpu" else ["medium"]
         else:
             models = list(CPU_DEFAULT_MODELS if device == "cpu" else GPU_DEFAULT_MODELS)
@@ -327,7 +416,7 @@ def _report(plan: Plan, extra: dict[str, Any]) -> None:
         if failed not in rows:
             print(describe_failure(failed))
     for skipped in payload.get("skipped", []):
-        print(f"skipped (time budget): {skipped}")
+        print(f"skipped: {describe_skipped(skipped)}")
     if extra["command"] == "sweep" and rows:
         pngs.append(plot_sweep(payload, out / "sweep.png"))
         found = recommend(rows, extra["memory_budget"])
@@ -337,9 +426,9 @@ def _report(plan: Plan, extra: dict[str, Any]) -> None:
                 f"{extra['memory_budget'] / 2**20:.0f} MiB per rank; raise it or shrink the batch"
             )
         else:
-            section, _, reason = found
+            section, best, reason = found
             (out / "recommended.json").write_text(json.dumps(section, indent=2) + "\n")
-            print(f"\nrecommended ({reason}):\n{yaml_section(section)}")
+            print(f"\nrecommended ({reason}):\n{yaml_section(section, step_knobs(best['knobs']))}")
             print(f"saved to {out / 'recommended.json'}")
     ratios = [
         f"{row['model']}: FSDP/DDP throughput {fsdp['samples_per_s'] / row['samples_per_s']:.2f}x"
@@ -355,15 +444,103 @@ def _report(plan: Plan, extra: dict[str, Any]) -> None:
     print(f"report: {write_report(out, payload, pngs)}")
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    """``strategy-bench estimate``: every point on a fake group, then the JSON, plot, tables."""
+    from strategy_bench._plots import plot_estimate
+
+    _check_sizes(args)
+    for world in args.world_size:
+        if world < 1:
+            raise BenchUsageError(f"--world-size must be >= 1, got {world}")
+    if args.jobs < 1:
+        raise BenchUsageError(f"--jobs must be >= 1, got {args.jobs}")
+    out: Path = args.out
+    if out.exists() and not out.is_dir():
+        raise BenchUsageError(f"--out {str(out)!r} is a file; give a directory for the estimate")
+    if (out / "estimate.json").exists() and not args.overwrite:
+        raise BenchUsageError(
+            f"--out {str(out)!r} already holds an estimate; pass --overwrite or another --out"
+        )
+    measured = [row for path in args.compare or () for row in _read_or_usage_error(path)["results"]]
+    specs = _workloads(args, "cpu")
+    for spec in specs:
+        meta_model(spec.build())  # fails here, as one line, if it cannot be built on meta
+    options = EstimateOptions(batch_size=args.batch_size, dtype=args.dtype)
+    worlds = list(dict.fromkeys(args.world_size))
+    points = estimate_points(
+        len(specs),
+        args.strategies,
+        worlds,
+        activation_checkpointing=args.activation_checkpointing,
+    )
+    jobs = min(args.jobs, len(points))
+    sys.stderr.write(
+        f"strategy-bench: estimating {len(points)} point(s) at world sizes "
+        f"{' '.join(map(str, worlds))} on fake process groups, {jobs} at a time\n"
+    )
+    begin = time.monotonic()
+
+    def progress(count: int, total: int, row: dict[str, Any]) -> None:
+        what = f"{row['strategy']} {row['model']} {knob_text(row['knobs'], ' ')}".strip()
+        ranks = "any" if row["strategy"] == "ddp" else str(row["world_size"])
+        logger.info(
+            "[%d/%d] %s, %s ranks: %.2f GiB per rank, %.1f s",
+            count,
+            total,
+            what,
+            ranks,
+            row["total_bytes"] / 2**30,
+            row["seconds"],
+        )
+
+    rows = run_estimate(specs, points, options, jobs=jobs, progress=progress)
+    env = estimate_environment(options, jobs)
+    env["seconds"] = time.monotonic() - begin
+    env["peak_rss_bytes"] = peak_rss_bytes(jobs)
+    checked = agreement(rows, measured)
+    payload = {"schema": ESTIMATE_SCHEMA, "env": env, "rows": rows, "agreement": checked}
+    write_json_atomic(out / "estimate.json", payload)
+    png = plot_estimate(rows, out / "estimate.png")
+    print(estimate_table(rows))
+    print(
+        f"estimated in {env['seconds']:.1f} s, peak RSS {env['peak_rss_bytes'] / 2**30:.2f} GiB "
+        f"at most, {jobs} worker process(es) included"
+    )
+    if args.compare is not None:
+        if not checked:
+            print("--compare: no measured point matches (model, strategy, knobs, ranks, batch)")
+        else:
+            print("\nestimate vs measured:\n" + agreement_table(checked))
+    print(f"estimate: {out / 'estimate.json'}\nplot: {png}")
+    if not all(row["ok"] for row in checked):
+        sys.stderr.write(
+            "strategy-bench: the estimate disagrees with a measurement beyond the tolerance "
+            f"({', '.join(f'{k} {100 * v:.0f}%' for k, v in AGREEMENT.items())})\n"
+        )
+        return 1
+    return 0
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    if args.batch_size < 1:
+        raise BenchUsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.seq_len is not None and args.seq_len < 2:
+        raise BenchUsageError(f"--seq-len must be >= 2, got {args.seq_len}")
+
+
+def _read_or_usage_error(path: Path) -> dict[str, Any]:
+    try:
+        return read_results(path)
+    except ValueError as error:
+        raise BenchUsageError(str(error)) from None
+
+
 def _plot(paths: Sequence[Path], out: Path | None) -> int:
     from strategy_bench._plots import plot_runs, run_label
 
     runs = []
     for path in paths:
-        try:
-            payload = read_results(path)
-        except ValueError as error:
-            raise BenchUsageError(str(error)) from None
+        payload = _read_or_usage_error(path)
         label = run_label(payload)
         if len(paths) > 1:
             label = f"{path.parent.name}: {label}"

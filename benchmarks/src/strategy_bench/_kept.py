@@ -119,3 +119,11 @@ def describe_failure(row: Mapping[str, Any]) -> str:
     if row.get("status") == OOM:
         return f"{name}: out of memory{reached} (rank {row.get('failed_rank')})"
     return f"{name}: failed{reached} (rank {row.get('failed_rank')}): {row.get('error')}"
+
+
+def describe_skipped(point: Mapping[str, Any]) -> str:
+    """``"fsdp tiny compile=True (torch.compile does not work on cpu: ...)"``."""
+    name = f"{point['strategy']} {point['model']}"
+    if point.get("knobs"):
+        name += " " + knob_text(point["knobs"])
+    return f"{name} ({point.get('reason', 'time budget')})"

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from strategy_bench._budget import TimeBudget
-from strategy_bench._kept import describe_failure, failure_row, ok_rows
+from strategy_bench._kept import describe_failure, describe_skipped, failure_row, ok_rows
+from strategy_bench._knobs import compile_backend
 from strategy_bench._memory import memory_reached
 from strategy_bench._plan import Plan
 from strategy_bench._results import environment, read_results, write_results
@@ -93,16 +94,18 @@ def _each_point(plan: Plan, scratch: Path, deadline: float | None, addr: str) ->
     skipped: list[dict[str, Any]] = []
     env: dict[str, Any] = {}
     budget = TimeBudget(plan.time_budget_s, plan.max_points)
+    compile_reason: str | None = None  # learnt from the first compile point's ranks
     for index, config in enumerate(plan.configs):
         described = config.describe(plan.workloads)
-        if not budget.fits(config.workload):
-            skipped.append(described)
+        reason = None
+        if compile_reason is not None and compile_backend(config.knobs) == "inductor":
+            reason = compile_reason
+        elif not budget.fits(config.workload):
+            reason = plan.budget_text()
+        if reason is not None:
+            skipped.append({**described, "reason": reason})
             logger.info(
-                "[%d/%d] %s: skipped (%s)",
-                index + 1,
-                len(plan.configs),
-                described,
-                plan.budget_text(),
+                "[%d/%d] skipped: %s", index + 1, len(plan.configs), describe_skipped(skipped[-1])
             )
             continue
         point = dataclasses.replace(
@@ -119,12 +122,19 @@ def _each_point(plan: Plan, scratch: Path, deadline: float | None, addr: str) ->
         begin = time.monotonic()
         remaining = None if deadline is None else max(1.0, deadline - begin)
         failure = _spawn(point, remaining, addr)
-        budget.spent(config.workload, time.monotonic() - begin)
+        seconds = time.monotonic() - begin
         if failure is None:
             payload = read_results(scratch / f"point{index}" / "results.json")
             env = payload["env"]
             rows.extend(payload["results"])
+            for unmeasured in payload.get("skipped", []):  # the ranks skipped it: why
+                skipped.append(unmeasured)
+                if compile_backend(unmeasured["knobs"]) == "inductor":
+                    compile_reason = unmeasured.get("reason")
+            if payload["results"]:
+                budget.spent(config.workload, seconds)
         else:
+            budget.spent(config.workload, seconds)
             env = env or _environment_of(plan)
             row = failure_row(described, env=env, world_size=plan.world_size, report=failure)
             rows.append(row)

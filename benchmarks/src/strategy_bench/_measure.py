@@ -17,18 +17,14 @@ from torch import nn
 
 from distributed_strategy import build_replicated_model, derive_seed
 from strategy_bench import _wrappers
-from strategy_bench._accounting import (
-    CommBytes,
-    local_bytes,
-    optimizer_bytes,
-    saved_activation_bytes,
-)
+from strategy_bench._accounting import account, accumulate
 from strategy_bench._ckpt import checkpoint_cost
 from strategy_bench._flops import count_step_flops
+from strategy_bench._knobs import micro_steps, prepare_blocks
 from strategy_bench._memory import PeakMemory
 from strategy_bench._plan import RunOptions
 from strategy_bench._timing import time_steps, timed_ms
-from strategy_bench._workload import Workload
+from strategy_bench._workload import Workload, training_optimizer
 
 
 def measure(
@@ -101,7 +97,8 @@ def _build(point: _Point, out: dict[str, Any]) -> nn.Module:
     if workload.trainable is not None:
         result = workload.trainable(model)
         model = result if isinstance(result, nn.Module) else model
-    out["flops_per_sample"] = _count_flops(point, model)
+    out["flops_per_sample"] = _count_flops(point, model)  # model FLOPs: no recompute
+    prepare_blocks(model, point.knobs)
     out["params"] = sum(p.numel() for p in model.parameters())
     out["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return model
@@ -186,22 +183,25 @@ def _alternating(count: int) -> list[str]:
 
 
 def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
-    """Wrap ``model`` with ours and time training steps; record the peak memory."""
+    """Wrap ``model`` with ours and time training steps; record the peak memory.
+
+    A step is one optimizer step: ``grad_accum`` micro-batches, all but the last under
+    grad-sync's ``no_sync``, each loss scaled by ``1 / grad_accum``.
+    """
     workload, options, device = point.workload, point.options, point.device
     wrapped = _wrappers.ours(point.strategy, model, device, point.knobs)
-    optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-4)
+    optimizer = training_optimizer(wrapped.parameters())
+    micro = micro_steps(point.knobs)
     generator = torch.Generator().manual_seed(derive_seed(options.seed, "data", dist.get_rank()))
     batches = [
         workload.make_batch(options.batch_size, device, generator)
-        for _ in range(min(4, options.steps + options.warmup))
+        for _ in range(min(4, (options.steps + options.warmup) * micro))
     ]
     cycle = itertools.cycle(batches)
     autocast = _autocast(options, device)
 
     def step() -> None:
-        with autocast:
-            loss = workload.loss(wrapped, next(cycle))
-        loss.backward()  # type: ignore[no-untyped-call]
+        accumulate(wrapped, workload.loss, [next(cycle) for _ in range(micro)], autocast)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -209,36 +209,9 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
         out["step_ms"] = time_steps(step, steps=options.steps, warmup=options.warmup, device=device)
     out["peak_mem_bytes"] = memory.peak
     out["peak_reserved_bytes"] = memory.reserved
-    _account(wrapped, optimizer, workload.loss, next(cycle), autocast, out)
+    batch = [next(cycle) for _ in range(micro)]
+    out.update(account(wrapped, optimizer, workload.loss, batch, autocast))
     checkpoint_cost(wrapped, optimizer, device, raw_first=point.index % 2 == 0, out=out)
-
-
-def _account(
-    wrapped: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: Any,
-    batch: Any,
-    autocast: contextlib.AbstractContextManager[Any],
-    out: dict[str, Any],
-) -> None:
-    """One more (untimed) forward and backward: memory by kind and bytes by collective.
-
-    Parameters, gradients and optimizer state are this rank's local storage (an FSDP rank
-    holds about 1/N of each); activations are what the forward saves for backward; the
-    collectives are counted over the forward and the backward.
-    """
-    out["param_bytes"] = local_bytes(wrapped.parameters())
-    out["optimizer_bytes"] = optimizer_bytes(optimizer)
-    optimizer.zero_grad(set_to_none=True)
-    with CommBytes() as comm:
-        with saved_activation_bytes(wrapped) as saved, autocast:
-            loss = loss_fn(wrapped, batch)
-        loss.backward()
-    out["activation_peak_bytes"] = saved[0]
-    out["grad_bytes"] = local_bytes(p.grad for p in wrapped.parameters())
-    out["comm_bytes_per_step"] = dict(comm.bytes)
-    out["comm_calls_per_step"] = dict(comm.calls)
-    optimizer.zero_grad(set_to_none=True)
 
 
 def warm_up_process(device: torch.device) -> None:

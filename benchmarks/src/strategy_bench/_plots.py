@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # the backend is chosen first
 
 from strategy_bench._kept import knob_text, ok_rows
-from strategy_bench._results import MEMORY_KINDS
+from strategy_bench._results import MEMORY_KINDS, byte_unit
 
 _COLOURS = (
     "#4C72B0",
@@ -323,7 +323,7 @@ def plot_sweep(payload: Mapping[str, Any], path: Path) -> Path:
         ys = [r["samples_per_s"] for r in rows]
         ax.scatter(xs, ys, label=strategy.upper(), color=_COLOURS[index], s=40)
         for x, y, row in zip(xs, ys, rows, strict=True):
-            text = ", ".join(f"{k}={v}" for k, v in row["knobs"].items()) or "defaults"
+            text = knob_text(row["knobs"], ", ") or "defaults"
             ax.annotate(text, (x, y), fontsize=6, xytext=(4, 3), textcoords="offset points")
     ax.set_xlabel("peak memory per rank, MiB (lower is better)")
     ax.set_ylabel("samples / s (higher is better)")
@@ -332,3 +332,62 @@ def plot_sweep(payload: Mapping[str, Any], path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, path)
+
+
+def plot_estimate(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    """``estimate.png``: per-rank memory against world size, stacked by kind.
+
+    One panel per model and point (strategy and knobs), world sizes on the x axis; the
+    communication bytes per step are written above each bar.
+    """
+    unit, scale = byte_unit(max(row["total_bytes"] for row in rows))
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    variants = list(dict.fromkeys((row["strategy"], knob_text(row["knobs"], ", ")) for row in rows))
+    fig, axes = plt.subplots(
+        len(models),
+        len(variants),
+        figsize=(3.6 * len(variants), 3.8 * len(models)),
+        squeeze=False,
+        sharey="row",
+    )
+    for r, model in enumerate(models):
+        for c, (strategy, knobs) in enumerate(variants):
+            ax = axes[r][c]
+            mine = [
+                row
+                for row in rows
+                if row["model"] == model
+                and (row["strategy"], knob_text(row["knobs"], ", ")) == (strategy, knobs)
+            ]
+            xs = list(range(len(mine)))
+            bottom = [0.0] * len(mine)
+            for kind, color in zip(MEMORY_KINDS, _COLOURS, strict=False):
+                values = [row[f"{kind}_bytes"] / scale for row in mine]
+                ax.bar(xs, values, bottom=bottom, label=_KIND_NAMES[kind], color=color)
+                bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+            ax.set_xticks(xs, [str(row["world_size"]) for row in mine])
+            for x, (total, row) in enumerate(zip(bottom, mine, strict=True)):
+                comm = sum((row.get("comm_bytes_per_step") or {}).values()) / scale
+                ax.annotate(
+                    f"{total:.1f}\ncomm {comm:.2f}",
+                    (x, total),
+                    ha="center",
+                    va="bottom",
+                    fontsize=6,
+                )
+            ax.set_title(f"{model}: {strategy.upper()} {knobs or 'defaults'}", fontsize=8)
+            ax.set_xlabel("world size (ranks)", fontsize=8)
+            ax.grid(axis="y", alpha=0.3)
+            ax.margins(y=0.15)
+            if c == 0:
+                ax.set_ylabel(f"{unit} per rank (estimated)", fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.suptitle(
+        f"Estimated memory per rank by kind; comm = {unit} each rank sends per step",
+        fontsize=10,
+    )
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

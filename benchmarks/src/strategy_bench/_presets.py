@@ -56,6 +56,7 @@ PRESETS: dict[str, Preset] = {
 }
 CPU_DEFAULT_MODELS = ("tiny", "small")
 GPU_DEFAULT_MODELS = ("small", "medium", "large")
+ESTIMATE_DEFAULT_MODELS = ("large",)
 
 
 class Attention(nn.Module):

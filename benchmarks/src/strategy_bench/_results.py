@@ -43,6 +43,11 @@ MEMORY_KINDS = ("param", "grad", "optimizer", "activation_peak")
 """The kinds of per-rank memory a row records, as ``<kind>_bytes``."""
 
 
+def byte_unit(largest: float) -> tuple[str, int]:
+    """The unit to show sizes up to ``largest`` bytes in: ``("GiB", 2**30)`` or ``("MiB", ...)``."""
+    return ("GiB", 2**30) if largest >= 2**30 else ("MiB", 2**20)
+
+
 def device_name(device: torch.device) -> str:
     """The GPU's name (what the datasheet table is matched against), or the CPU's."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
@@ -73,7 +78,7 @@ def environment(
         "device": device.type,
         "device_name": name,
         "world_size": world_size,
-        "git": _git_revision(),
+        "git": git_revision(),
         "host": platform.node(),
         "cpu_threads": torch.get_num_threads(),
         "peak_flops": peak,
@@ -182,13 +187,18 @@ def write_results(
     The text goes to a temporary file beside ``path`` that then replaces it, so a crash or
     Ctrl-C leaves either the previous complete file or the new one, never half of one.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "schema": SCHEMA,
         "env": dict(env),
         "results": [dict(r) for r in rows],
         "skipped": [dict(s) for s in skipped],
     }
+    write_json_atomic(path, payload)
+
+
+def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
+    """Write ``payload`` as indented JSON: to a temporary file beside ``path``, then renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         partial.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
@@ -225,7 +235,8 @@ def _max_or_none(per_rank: Sequence[Mapping[str, Any]], key: str) -> float | Non
     return max(values) if values else None
 
 
-def _git_revision() -> str | None:
+def git_revision() -> str | None:
+    """The short git revision of the working directory, or ``None`` outside a checkout."""
     try:
         done = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

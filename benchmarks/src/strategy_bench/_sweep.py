@@ -8,10 +8,13 @@ from typing import Any
 
 from distributed_strategy import DistributedConfig
 from strategy_bench._errors import BenchUsageError
-from strategy_bench._kept import ok_rows
+from strategy_bench._kept import knob_text, ok_rows
+from strategy_bench._knobs import step_knobs, wrap_knobs
 from strategy_bench._plan import Config
 
 DDP_BUCKETS_MB = (1, 25, 100)
+GRAD_ACCUM = 4
+"""Micro-batches per optimizer step at the sweep's gradient-accumulation points."""
 
 
 def sweep_points(bf16: bool) -> list[tuple[str, dict[str, Any]]]:
@@ -30,6 +33,12 @@ def sweep_points(bf16: bool) -> list[tuple[str, dict[str, Any]]]:
     if bf16:
         points.append(("fsdp", {"param_dtype": "bf16", "reduce_dtype": "fp32"}))
     points += [
+        ("fsdp", {"activation_checkpointing": True}),
+        ("ddp", {"compile": True}),
+        ("fsdp", {"compile": True}),
+        ("ddp", {"grad_accum": GRAD_ACCUM}),
+        ("fsdp", {"grad_accum": GRAD_ACCUM}),
+        ("ddp", {"activation_checkpointing": True}),
         ("ddp", {"gradient_as_bucket_view": True}),
         *[("ddp", {"bucket_cap_mb": mb}) for mb in DDP_BUCKETS_MB if mb != 25],
         ("ddp", {"static_graph": True}),
@@ -45,11 +54,31 @@ def sweep_points(bf16: bool) -> list[tuple[str, dict[str, Any]]]:
     return points
 
 
-def sweep_configs(workloads: int, bf16: bool) -> list[Config]:
-    """Every point for every workload: the most informative points first, for each workload."""
+def sweep_configs(
+    workloads: int, bf16: bool, *, knobs: Sequence[str] | None = None
+) -> list[Config]:
+    """Every point for every workload: the most informative points first, for each workload.
+
+    Args:
+        workloads: How many workloads the sweep covers.
+        bf16: Whether the device computes in bfloat16 (the mixed-precision points).
+        knobs: ``--knobs``: keep only the points that set one of these knobs.
+
+    Raises:
+        BenchUsageError: If a name in ``knobs`` is not a knob of the sweep.
+    """
+    points = sweep_points(bf16)
+    if knobs is not None:
+        known = sorted({name for _, point in points for name in point})
+        unknown = [name for name in knobs if name not in known]
+        if unknown:
+            raise BenchUsageError(
+                f"--knobs: unknown knob {unknown[0]!r}; the sweep's knobs are {', '.join(known)}"
+            )
+        points = [(s, point) for s, point in points if any(name in point for name in knobs)]
     return [
-        Config(workload=index, strategy=strategy, knobs=knobs)
-        for strategy, knobs in sweep_points(bf16)
+        Config(workload=index, strategy=strategy, knobs=point)
+        for strategy, point in points
         for index in range(workloads)
     ]
 
@@ -97,9 +126,14 @@ def recommend(
 ) -> tuple[dict[str, Any], Mapping[str, Any], str] | None:
     """The fastest point that fits the budget, as a ``training.distributed`` section.
 
+    Every point competes, the step knobs' too: throughput is samples per second over whole
+    optimizer steps, so gradient accumulation is judged by what it saves per sample.
+
     Returns:
         ``(section, row, reason)``, or ``None`` when no measured point fits. The section is
-        validated by ``DistributedConfig.from_mapping`` and holds every field.
+        validated by ``DistributedConfig.from_mapping`` and holds every field; the row's
+        step knobs (:data:`~strategy_bench._knobs.STEP_KNOBS`) are the trainer's settings
+        beside it (:func:`yaml_section` writes both).
     """
     fitting = [
         row for row in ok_rows(rows) if memory_budget is None or budgeted(row) <= memory_budget
@@ -107,7 +141,9 @@ def recommend(
     if not fitting:
         return None
     best = max(fitting, key=lambda row: row["samples_per_s"])
-    section = DistributedConfig.from_mapping({"strategy": best["strategy"], **best["knobs"]})
+    section = DistributedConfig.from_mapping(
+        {"strategy": best["strategy"], **wrap_knobs(best["knobs"])}
+    )
     runner_up = sorted(fitting, key=lambda row: row["samples_per_s"], reverse=True)[1:2]
     reason = (
         f"fastest of {len(fitting)} point(s)"
@@ -117,6 +153,17 @@ def recommend(
     if runner_up:
         ratio = best["samples_per_s"] / runner_up[0]["samples_per_s"]
         reason += f", {ratio:.2f}x the next best ({_describe(runner_up[0])})"
+    trainer = step_knobs(best["knobs"])
+    if trainer:
+        reason += (
+            f". It needs the trainer to run with {knob_text(trainer, ', ')} (not part of "
+            "training.distributed)"
+        )
+        if "grad_accum" in trainer:
+            reason += (
+                f"; gradient accumulation makes the global batch {trainer['grad_accum']}x "
+                "larger, which changes the optimization"
+            )
     if best["knobs"].get("param_dtype") not in (None, "fp32"):
         full = [row for row in fitting if row["knobs"].get("param_dtype") in (None, "fp32")]
         reason += (
@@ -133,19 +180,28 @@ def recommend(
 
 
 def _describe(row: Mapping[str, Any]) -> str:
-    knobs = ", ".join(f"{k}={v}" for k, v in row["knobs"].items()) or "defaults"
-    return f"{row['strategy']} {knobs}"
+    return f"{row['strategy']} {knob_text(row['knobs'], ', ') or 'defaults'}"
 
 
-def yaml_section(section: Mapping[str, Any]) -> str:
-    """The section as YAML text under ``training.distributed``."""
+def yaml_section(section: Mapping[str, Any], trainer: Mapping[str, Any] | None = None) -> str:
+    """The section as YAML text under ``training.distributed``.
+
+    Args:
+        section: The ``training.distributed`` fields.
+        trainer: The step knobs the recommendation was measured with, written beside the
+            section under ``training`` (the trainer reads them; strategy-config does not).
+    """
     lines = ["training:", "  distributed:"]
-    for key, value in section.items():
-        if value is None:
-            text = "null"
-        elif isinstance(value, bool):
-            text = "true" if value else "false"
-        else:
-            text = str(value)
-        lines.append(f"    {key}: {text}")
+    lines += [f"    {key}: {_yaml(value)}" for key, value in section.items()]
+    if trainer:
+        lines.append("  # the trainer's step settings this point was measured with:")
+        lines += [f"  {key}: {_yaml(value)}" for key, value in trainer.items()]
     return "\n".join(lines)
+
+
+def _yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

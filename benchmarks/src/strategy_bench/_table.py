@@ -1,4 +1,4 @@
-"""The summary table printed at the end of a run."""
+"""The text tables: a run's summary, an estimate, and an estimate against a run."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from strategy_bench._kept import OK, OOM, knob_text
+from strategy_bench._results import byte_unit
 from strategy_bench._sweep import budgeted
 
 
@@ -55,9 +56,89 @@ def summary_table(rows: Sequence[Mapping[str, Any]]) -> str:
                 "-" if mfu is None else f"{100 * mfu:.1f}%",
             )
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return _render(lines)
+
+
+def _render(lines: Sequence[tuple[str, ...]]) -> str:
+    """Fixed-width columns; the first line is the header."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     rendered = [
         "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)) for line in lines
     ]
     rendered.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(rendered)
+
+
+def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """``strategy-bench estimate``'s table: one line per point and world size, per rank."""
+    unit, scale = byte_unit(max((row["total_bytes"] for row in rows), default=0))
+
+    def size(value: float) -> str:
+        return f"{value / scale:.2f}"
+
+    header = (
+        "model",
+        "strategy",
+        "knobs",
+        "ranks",
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        f"total {unit}",
+        f"comm {unit}/step",
+    )
+    lines: list[tuple[str, ...]] = [header]
+    for row in rows:
+        comm = row.get("comm_bytes_per_step") or {}
+        lines.append(
+            (
+                str(row["model"]),
+                str(row["strategy"]),
+                knob_text(row.get("knobs")) or "-",
+                str(row["world_size"]),
+                size(row["param_bytes"]),
+                size(row["grad_bytes"]),
+                size(row["optimizer_bytes"]),
+                size(row["activation_peak_bytes"]),
+                size(row["total_bytes"]),
+                " ".join(f"{kind} {size(value)}" for kind, value in comm.items()) or "-",
+            )
+        )
+    return _render(lines)
+
+
+def agreement_table(rows: Sequence[Mapping[str, Any]], *, markdown: bool = False) -> str:
+    """Estimate against ``run``: estimated / measured MiB and the error of each kind."""
+    header = (
+        "model",
+        "strategy",
+        "knobs",
+        "ranks",
+        "static MiB est/meas (err)",
+        "activations MiB est/meas (err)",
+        "comm MiB est/meas (err)",
+        "within tolerance",
+    )
+    lines: list[tuple[str, ...]] = [header]
+    for row in rows:
+        cells = [
+            f"{row[f'{kind}_estimated'] / 2**20:.2f} / {row[f'{kind}_measured'] / 2**20:.2f} "
+            f"({100 * row[f'{kind}_error']:.1f}%)"
+            for kind in ("static", "activation", "comm")
+        ]
+        lines.append(
+            (
+                str(row["model"]),
+                str(row["strategy"]),
+                knob_text(row.get("knobs")) or "-",
+                str(row["world_size"]),
+                *cells,
+                "yes" if row["ok"] else "NO",
+            )
+        )
+    if not markdown:
+        return _render(lines)
+    table = [f"| {' | '.join(line)} |" for line in lines]
+    table.insert(1, "|" + "---|" * len(header))
+    return "\n".join(table)

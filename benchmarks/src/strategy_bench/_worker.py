@@ -16,6 +16,7 @@ import torch.distributed as dist
 from strategy_bench._budget import TimeBudget
 from strategy_bench._flops import measure_matmul_flops
 from strategy_bench._kept import knob_text
+from strategy_bench._knobs import compile_backend, compile_unavailable, micro_steps
 from strategy_bench._measure import measure, warm_up_process
 from strategy_bench._plan import Plan
 from strategy_bench._results import environment, merge_ranks, write_results
@@ -92,6 +93,7 @@ def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -
     rows: list[dict[str, Any]] = [dict(row) for row in plan.prior_rows]
     skipped: list[dict[str, Any]] = []
     budget = TimeBudget(plan.time_budget_s, plan.max_points)
+    compiler = _Compiler(device)
     for index, config in enumerate(plan.configs):
         position = plan.first_index + index + 1
         label = (
@@ -100,10 +102,15 @@ def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -
         )
         if config.knobs:
             label += " " + knob_text(config.knobs, " ")
+        reason = None
         if not _fits_on_every_rank(budget, config.workload):
-            skipped.append(config.describe(plan.workloads))
+            reason = plan.budget_text()
+        elif compile_backend(config.knobs) == "inductor":
+            reason = compiler.reason()
+        if reason is not None:
+            skipped.append({**config.describe(plan.workloads), "reason": reason})
             if rank == 0:
-                logger.info("%s: skipped (%s)", label, plan.budget_text())
+                logger.info("%s: skipped (%s)", label, reason)
             continue
         begin = time.monotonic()
         workload = workloads[config.workload]
@@ -122,7 +129,7 @@ def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -
             model=workload.name,
             knobs=config.knobs,
             env=env,
-            batch_size=plan.options.batch_size,
+            batch_size=plan.options.batch_size * micro_steps(config.knobs),
             dtype=plan.options.dtype,
             tokens_per_sample=workload.tokens_per_sample,
             analytic_flops_per_sample=workload.flops_per_sample,
@@ -144,6 +151,22 @@ def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -
         )
     if rank == 0:
         write_results(out, env, rows, skipped=skipped)
+
+
+class _Compiler:
+    """Whether ``torch.compile`` works on every rank: asked once, when a compile point comes."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._reason: list[str | None] = []
+
+    def reason(self) -> str | None:
+        """Why compile points are skipped (the first failing rank's reason), or ``None``."""
+        if not self._reason:
+            reasons: list[str | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(reasons, compile_unavailable(self._device.type))
+            self._reason.append(next((r for r in reasons if r is not None), None))
+        return self._reason[0]
 
 
 def _fits_on_every_rank(budget: TimeBudget, workload: int) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -185,3 +185,8 @@ def output_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"the model returned {type(out).__name__}; expected a tensor")
     return out if out.dim() == 0 else out.float().pow(2).mean()
+
+
+def training_optimizer(parameters: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    """The optimizer every point trains with: AdamW over the trainable ``parameters``."""
+    return torch.optim.AdamW([p for p in parameters if p.requires_grad], lr=1e-4)

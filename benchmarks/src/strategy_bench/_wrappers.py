@@ -19,6 +19,7 @@ from distributed_strategy import (
     wrap_module_ddp,
     wrap_module_fsdp,
 )
+from strategy_bench._knobs import wrap_knobs
 
 STRATEGIES = ("ddp", "fsdp")
 
@@ -30,7 +31,11 @@ def ours(
     knobs: Mapping[str, Any],
     group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
-    """Wrap with our wrapper: ``wrap_module_ddp`` or ``wrap_module_fsdp``."""
+    """Wrap with our wrapper: ``wrap_module_ddp`` or ``wrap_module_fsdp``.
+
+    ``knobs`` may hold the step's knobs too (``grad_accum``, ...); only the wrapper's are used.
+    """
+    knobs = wrap_knobs(knobs)
     if strategy == "ddp":
         kwargs: dict[str, Any] = _ddp_knobs(knobs)
         if group is not None:
@@ -47,6 +52,7 @@ def raw(
     group: dist.ProcessGroup | None = None,
 ) -> nn.Module:
     """Wrap with plain torch, as a trainer without our packages would."""
+    knobs = wrap_knobs(knobs)
     if strategy == "ddp":
         ids = {"device_ids": [device.index], "output_device": device.index}
         kwargs: dict[str, Any] = {**_ddp_knobs(knobs), "process_group": group}

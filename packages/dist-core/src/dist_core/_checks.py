@@ -14,19 +14,24 @@ from dist_core._group import require_process_group
 _MISSING = object()
 
 
-def check_wrap_preconditions(module: object, device: object, *, wrapper: str) -> torch.device:
+def check_wrap_preconditions(
+    module: object, device: object, *, wrapper: str, allow_meta: bool = False
+) -> torch.device:
     """The reference checks before a data-parallel wrap, in the reference order.
 
     1. ``module`` is an ``nn.Module`` (``TypeError``).
     2. The default process group is initialized (``RuntimeError``).
     3. At least one parameter requires grad (``ValueError``).
     4. An accelerator device names a concrete index (``ValueError``).
-    5. Every parameter is on ``device`` (``ValueError`` naming the first that is not).
+    5. Every parameter is on ``device`` (``ValueError`` naming the first that is not), or on
+       the meta device where ``allow_meta`` says the wrapper can shard it unmaterialized.
 
     Args:
         module: The module about to be wrapped.
         device: This rank's device: a ``torch.device``, a string, or an int index.
         wrapper: The caller's name, used in the messages.
+        allow_meta: Accept parameters on the meta device (FSDP2's deferred initialization:
+            shard first, then ``to_empty(device=...)`` and initialize the local shards).
 
     Returns:
         The resolved ``torch.device``.
@@ -50,7 +55,7 @@ def check_wrap_preconditions(module: object, device: object, *, wrapper: str) ->
     target = resolve_device(cast("DeviceLike", device))  # checks the type at run time
     require_device_index(target, caller=wrapper)
     for name, param in params:
-        if param.device != target:
+        if param.device != target and not (allow_meta and param.device.type == "meta"):
             raise ValueError(
                 f"parameter '{name}' of {type(module).__name__} is on {param.device}, but "
                 f"device={str(target)!r}; move the model first (model.to({str(target)!r}))"

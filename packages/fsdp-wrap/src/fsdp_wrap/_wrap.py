@@ -76,7 +76,7 @@ def wrap_module_fsdp(
             a CUDA ``device`` that is not the current device; a mesh on another device type.
         AttributeError: If a forward method name is not a method of ``module``.
     """
-    target = check_wrap_preconditions(module, device, wrapper="wrap_module_fsdp")
+    target = check_wrap_preconditions(module, device, wrapper="wrap_module_fsdp", allow_meta=True)
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
     policy = mixed_precision_policy(param_dtype, reduce_dtype)

@@ -1,0 +1,348 @@
+"""``strategy-bench estimate``: per-rank memory and communication at world sizes not at hand.
+
+Each point is one rank of a world that does not exist: torch's fake process group of that
+size, the model built on the meta device, wrapped for real by our wrapper (FSDP's local
+shards are the true ones, padding included), then materialized as fake tensors (shapes
+without storage) and stepped once: the same accounting as ``run`` (:func:`account`) reads
+the local parameter, gradient and optimizer bytes, what the forward saves for backward, and
+the bytes each collective moves. Nothing of the full model is ever allocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import platform
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from strategy_bench import _wrappers
+from strategy_bench._accounting import account
+from strategy_bench._compat import FakeTensorMode, fake_process_group
+from strategy_bench._errors import BenchUsageError
+from strategy_bench._knobs import micro_steps, prepare_blocks
+from strategy_bench._plan import WorkloadSpec
+from strategy_bench._results import git_revision
+from strategy_bench._workload import Workload, training_optimizer
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = 1
+"""Version of ``estimate.json``."""
+
+DEFAULT_WORLD_SIZES = (2, 8, 64, 512)
+
+_CPU = torch.device("cpu")
+
+VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("ddp", {}),
+    ("fsdp", {}),
+    ("fsdp", {"reshard_after_forward": False}),
+    ("fsdp", {"param_dtype": "bf16", "reduce_dtype": "fp32"}),
+)
+"""The points estimated by default: each strategy at its defaults, then FSDP's two knobs
+that change memory and communication the most."""
+
+CHECKPOINTED: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("ddp", {"activation_checkpointing": True}),
+    ("fsdp", {"activation_checkpointing": True}),
+)
+"""Added by ``--activation-checkpointing``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimateOptions:
+    """The step every point estimates.
+
+    Attributes:
+        batch_size: Samples per rank per micro-batch.
+        dtype: ``"fp32"``, or ``"bf16"`` for bf16 autocast (fp32 master weights), as ``run``.
+    """
+
+    batch_size: int = 8
+    dtype: str = "fp32"
+
+
+@dataclasses.dataclass(frozen=True)
+class EstimatePoint:
+    """One row to estimate: a workload (index), a strategy, its knobs and a world size."""
+
+    workload: int
+    strategy: str
+    knobs: dict[str, Any]
+    world_size: int
+
+
+def estimate_points(
+    workloads: int,
+    strategies: Sequence[str],
+    world_sizes: Sequence[int],
+    *,
+    activation_checkpointing: bool = False,
+) -> list[EstimatePoint]:
+    """Every point of an estimate, world sizes innermost."""
+    variants = VARIANTS + (CHECKPOINTED if activation_checkpointing else ())
+    return [
+        EstimatePoint(index, strategy, dict(knobs), world)
+        for index in range(workloads)
+        for strategy, knobs in variants
+        if strategy in strategies
+        for world in world_sizes
+    ]
+
+
+def meta_model(workload: Workload) -> nn.Module:
+    """The workload's model on the meta device, with its trainable policy applied.
+
+    Raises:
+        BenchUsageError: If the factory cannot build the model on the meta device.
+    """
+    try:
+        with torch.device("meta"):
+            model = workload.factory(**workload.init_params)
+    except Exception as error:
+        raise BenchUsageError(
+            f"estimate builds the model on the meta device (no memory), and "
+            f"{workload.name}(**{dict(workload.init_params)}) failed there: "
+            f"{type(error).__name__}: {error}; keep its constructor free of data-dependent "
+            "work (.item(), numpy on parameters, loading weights)"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise BenchUsageError(
+            f"the model factory {workload.name!r} returned {type(model).__name__}, not an nn.Module"
+        )
+    if workload.trainable is not None:
+        result = workload.trainable(model)
+        model = result if isinstance(result, nn.Module) else model
+    return model
+
+
+def estimate_point(
+    spec: WorkloadSpec, point: EstimatePoint, options: EstimateOptions
+) -> dict[str, Any]:
+    """One rank's memory and communication for ``point``, in this process.
+
+    Returns:
+        The row: ``model``, ``strategy``, ``knobs``, ``world_size``, the per-rank
+        ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``activation_peak_bytes`` and
+        ``comm_bytes_per_step`` / ``comm_calls_per_step``, and the seconds it took.
+    """
+    begin = time.monotonic()
+    workload = spec.build()
+    with fake_process_group(point.world_size):
+        model = meta_model(workload)
+        params = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        prepare_blocks(model, point.knobs)
+        if point.strategy == "fsdp":
+            model = _wrappers.ours("fsdp", model, _CPU, point.knobs)
+        optimizer = _local_optimizer(model.parameters())
+        autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if options.dtype == "bf16":
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device=_CPU)
+            generator = torch.Generator()
+            batches = [
+                workload.make_batch(options.batch_size, _CPU, generator)
+                for _ in range(micro_steps(point.knobs))
+            ]
+            out = account(model, optimizer, workload.loss, batches, autocast)
+    if point.strategy == "ddp":
+        out.update(_ddp_communication(model))
+    static = out["param_bytes"] + out["grad_bytes"] + out["optimizer_bytes"]
+    return {
+        "model": workload.name,
+        "strategy": point.strategy,
+        "knobs": dict(point.knobs),
+        "world_size": point.world_size,
+        "batch_size": options.batch_size * micro_steps(point.knobs),
+        "dtype": options.dtype,
+        "params": params,
+        "trainable_params": trainable,
+        **out,
+        "static_bytes": static,
+        "total_bytes": static + out["activation_peak_bytes"],
+        "seconds": time.monotonic() - begin,
+    }
+
+
+def _local_optimizer(parameters: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    """The training optimizer after one step over this rank's local tensors, on meta.
+
+    Its state (AdamW: two moments per tensor and a step) is created the way a real step
+    creates it, for tensors of the local shapes and dtypes, without storage.
+    """
+    local = []
+    for param in parameters:
+        tensor = param.to_local() if isinstance(param, DTensor) else param
+        twin = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        twin.requires_grad_(param.requires_grad)
+        if param.requires_grad:
+            twin.grad = torch.empty_like(twin)
+        local.append(twin)
+    optimizer = training_optimizer(local)
+    optimizer.step()
+    return optimizer
+
+
+def _ddp_communication(model: nn.Module) -> dict[str, Any]:
+    """What DDP's reducer moves per step: one all-reduce of every trainable gradient.
+
+    Every rank holds the whole model, so nothing here depends on the world size; the
+    number of all-reduce calls depends on the buckets DDP builds at run time and is left
+    out (``None``).
+    """
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return {"comm_bytes_per_step": {"all_reduce": int(trainable)}, "comm_calls_per_step": None}
+
+
+def run_estimate(
+    specs: Sequence[WorkloadSpec],
+    points: Sequence[EstimatePoint],
+    options: EstimateOptions,
+    *,
+    jobs: int = 1,
+    progress: Callable[[int, int, dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Estimate every point, ``jobs`` at a time, in order.
+
+    DDP's per-rank figures do not depend on the world size (every rank holds the whole
+    model and all-reduces every gradient): each DDP variant is stepped once and its row is
+    repeated for the other world sizes. FSDP points are stepped at each world size.
+    ``jobs > 1`` spreads them over spawned processes (each has its own fake group).
+    """
+    unique: dict[tuple[Any, ...], EstimatePoint] = {}
+    for point in points:
+        unique.setdefault(_step_key(point), point)
+    todo = list(unique.values())
+    done: dict[tuple[Any, ...], dict[str, Any]] = {}
+    if jobs <= 1 or len(todo) <= 1:
+        for count, point in enumerate(todo, 1):
+            done[_step_key(point)] = row = estimate_point(specs[point.workload], point, options)
+            if progress is not None:
+                progress(count, len(todo), row)
+    else:
+        context = get_context("spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+            futures = {
+                pool.submit(estimate_point, specs[point.workload], point, options): point
+                for point in todo
+            }
+            for count, (future, point) in enumerate(futures.items(), 1):
+                done[_step_key(point)] = row = future.result()
+                if progress is not None:
+                    progress(count, len(todo), row)
+    rows = []
+    for point in points:
+        row = dict(done[_step_key(point)])
+        row["world_size"] = point.world_size
+        rows.append(row)
+    return rows
+
+
+def _step_key(point: EstimatePoint) -> tuple[Any, ...]:
+    world = None if point.strategy == "ddp" else point.world_size
+    return point.workload, point.strategy, tuple(sorted(point.knobs.items())), world
+
+
+def peak_rss_bytes(jobs: int) -> int:
+    """An upper bound of the estimate's resident memory, in bytes.
+
+    This process's peak plus ``jobs`` times the largest peak of its finished worker
+    processes (they ran at the same time).
+    """
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, else KiB
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    workers = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale if jobs > 1 else 0
+    return int(own + jobs * workers)
+
+
+def estimate_environment(options: EstimateOptions, jobs: int) -> dict[str, Any]:
+    """What the estimate ran on and with (the estimate itself does not depend on it)."""
+    return {
+        "kind": "estimate",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git": git_revision(),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "jobs": jobs,
+        "options": {"batch_size": options.batch_size, "dtype": options.dtype},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+AGREEMENT = {"static": 0.05, "activation": 0.20, "comm": 0.01}
+"""How close an estimate must be to ``run``'s measurement (relative): static bytes
+(parameters, gradients, optimizer state), the activation peak, communication bytes."""
+
+
+def agreement(
+    estimated: Sequence[Mapping[str, Any]], measured: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Estimate against ``run`` for every point both have (model, strategy, knobs, ranks).
+
+    Returns:
+        One row per matched point: the estimated and measured static, activation and
+        communication bytes, each relative error, and ``ok`` when all are within
+        :data:`AGREEMENT`.
+    """
+    by_point = {_match_key(row): row for row in measured if row.get("status", "ok") == "ok"}
+    rows = []
+    for row in estimated:
+        other = by_point.get(_match_key(row))
+        if other is None:
+            continue
+        pairs = {
+            "static": (_static(row), _static(other)),
+            "activation": (row["activation_peak_bytes"], other["activation_peak_bytes"]),
+            "comm": (_comm(row), _comm(other)),
+        }
+        entry: dict[str, Any] = {
+            "model": row["model"],
+            "strategy": row["strategy"],
+            "knobs": dict(row["knobs"]),
+            "world_size": row["world_size"],
+        }
+        ok = True
+        for kind, (mine, theirs) in pairs.items():
+            error = abs(mine - theirs) / theirs if theirs else float(mine != theirs)
+            entry[f"{kind}_estimated"] = mine
+            entry[f"{kind}_measured"] = theirs
+            entry[f"{kind}_error"] = error
+            ok = ok and error <= AGREEMENT[kind]
+        entry["ok"] = ok
+        rows.append(entry)
+    return rows
+
+
+def _match_key(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    knobs = tuple(sorted(dict(row.get("knobs", {})).items()))
+    return (
+        row["model"],
+        row["strategy"],
+        knobs,
+        row["world_size"],
+        row.get("batch_size"),
+        row.get("dtype"),
+    )
+
+
+def _static(row: Mapping[str, Any]) -> int:
+    return int(row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"])
+
+
+def _comm(row: Mapping[str, Any]) -> int:
+    return int(sum(dict(row.get("comm_bytes_per_step") or {}).values()))
