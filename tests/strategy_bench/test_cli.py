@@ -31,6 +31,18 @@ QUICK = [
 ]
 
 
+USER_MODEL = (
+    "--model-factory",
+    "bench_factories:make_model",
+    "--init-params",
+    '{"width": 16, "depth": 3}',
+    "--input-factory",
+    "bench_factories:make_batch",
+    "--trainable",
+    "bench_factories:freeze_stem",
+)
+
+
 def bench(
     *args: str,
     timeout: float = 300,
@@ -199,14 +211,7 @@ def test_user_model_end_to_end(tmp_path: Path) -> None:
     done = bench(
         "run",
         *QUICK,
-        "--model-factory",
-        "bench_factories:make_model",
-        "--init-params",
-        '{"width": 16, "depth": 3}',
-        "--input-factory",
-        "bench_factories:make_batch",
-        "--trainable",
-        "bench_factories:freeze_stem",
+        *USER_MODEL,
         "--out",
         str(out),
     )
@@ -242,14 +247,7 @@ def test_user_model_end_to_end(tmp_path: Path) -> None:
     estimated = tmp_path / "estimate"
     done = bench(
         "estimate",
-        "--model-factory",
-        "bench_factories:make_model",
-        "--init-params",
-        '{"width": 16, "depth": 3}',
-        "--input-factory",
-        "bench_factories:make_batch",
-        "--trainable",
-        "bench_factories:freeze_stem",
+        *USER_MODEL,
         "--world-size",
         "2",
         "64",
@@ -551,44 +549,49 @@ def test_sweep_rows_budget_and_recommendation(tmp_path: Path) -> None:
         "--knobs",
         *knobs,
         "--max-points",
-        "2",
+        "4",
         "--out",
         str(out),
         env={"CXX": str(tmp_path / "no-such-compiler")},
     )
     assert done.returncode == 0, done.stderr
     payload = json.loads((out / "results.json").read_text())
-    points = [p for p in sweep_points(bf16=True) if any(k in p[1] for k in knobs)]
-    assert [p[1] for p in points[:3]] == [
-        {"activation_checkpointing": True},
-        {"compile": True},
-        {"compile": True},
+    points = [p for p in sweep_points(bf16=True) if not p[1] or any(k in p[1] for k in knobs)]
+    assert points[:5] == [
+        ("ddp", {}),  # the baseline comes first
+        ("fsdp", {}),
+        ("fsdp", {"activation_checkpointing": True}),
+        ("ddp", {"compile": True}),
+        ("fsdp", {"compile": True}),
     ]
     rows = payload["results"]
-    assert [(r["strategy"], r["knobs"]) for r in rows] == [points[0], points[3]]
-    checkpointed, accumulated = rows
-    assert checkpointed["activation_peak_bytes"] > 0
+    assert [(r["strategy"], r["knobs"]) for r in rows] == points[:3] + points[5:6]
+    baseline, checkpointed, accumulated = rows[1], rows[2], rows[3]
+    assert checkpointed["activation_peak_bytes"] < baseline["activation_peak_bytes"] / 2
+    assert checkpointed["comm_bytes_per_step"] == baseline["comm_bytes_per_step"]
     assert accumulated["knobs"] == {"grad_accum": 4}
     assert accumulated["batch_size"] == 4 * 2  # samples per rank per optimizer step
     # One all-reduce per optimizer step: the first 3 micro-steps ran under no_sync.
     assert accumulated["comm_calls_per_step"] == {"all_reduce": 1}
     assert accumulated["comm_bytes_per_step"]["all_reduce"] == accumulated["grad_bytes"]
-    assert [(s["strategy"], s["knobs"]) for s in payload["skipped"]] == points[1:3] + points[4:]
+    assert [(s["strategy"], s["knobs"]) for s in payload["skipped"]] == points[3:5] + points[6:]
     compile_skips = payload["skipped"][:2]
     for skipped in compile_skips:
         assert skipped["reason"].startswith("torch.compile does not work on cpu: "), skipped
         assert "no-such-compiler" in skipped["reason"]
-    assert all("--max-points 2" in s["reason"] for s in payload["skipped"][2:])
+    assert all("--max-points 4" in s["reason"] for s in payload["skipped"][2:])
     assert "skipped: ddp tiny compile=True (torch.compile does not work on cpu" in done.stdout
     section = json.loads((out / "recommended.json").read_text())
     config = DistributedConfig.from_mapping(section)  # the step knobs are not in it
     best = max(rows, key=lambda r: r["samples_per_s"])
     assert config.strategy == best["strategy"]
     assert "training:\n  distributed:\n    strategy: " in done.stdout
-    step_knob = next(iter(best["knobs"]))
-    assert f"  # the trainer's step settings this point was measured with:\n  {step_knob}: " in (
-        done.stdout
-    )
+    if best["knobs"]:
+        step_knob = next(iter(best["knobs"]))
+        assert (
+            f"  # the trainer's step settings this point was measured with:\n  {step_knob}: "
+            in (done.stdout)
+        )
     assert_png(out / "sweep.png")
 
     tight = tmp_path / "tight"

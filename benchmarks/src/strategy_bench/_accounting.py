@@ -126,6 +126,13 @@ def saved_activation_bytes(model: nn.Module) -> Iterator[list[int]]:
         yield total
 
 
+def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """The step's compute dtype: ``"bf16"`` is bf16 autocast (fp32 master weights)."""
+    if dtype == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def accumulate(
     model: nn.Module,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],

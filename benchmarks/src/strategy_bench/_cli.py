@@ -96,8 +96,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="KNOB",
         help=(
-            "sweep only the points that set one of these knobs, e.g. grad_accum "
-            "activation_checkpointing compile (default: every point)"
+            "sweep only the points that set one of these knobs (and each strategy at its "
+            "defaults), e.g. grad_accum activation_checkpointing compile (default: every point)"
         ),
     )
     sweep.add_argument(
@@ -417,18 +417,23 @@ def _report(plan: Plan, extra: dict[str, Any]) -> None:
             print(describe_failure(failed))
     for skipped in payload.get("skipped", []):
         print(f"skipped: {describe_skipped(skipped)}")
+    recommendation = None
     if extra["command"] == "sweep" and rows:
         pngs.append(plot_sweep(payload, out / "sweep.png"))
         found = recommend(rows, extra["memory_budget"])
         if found is None:
-            print(
+            recommendation = (
                 f"no measured point fits --memory-budget "
                 f"{extra['memory_budget'] / 2**20:.0f} MiB per rank; raise it or shrink the batch"
             )
         else:
             section, best, reason = found
             (out / "recommended.json").write_text(json.dumps(section, indent=2) + "\n")
-            print(f"\nrecommended ({reason}):\n{yaml_section(section, step_knobs(best['knobs']))}")
+            recommendation = (
+                f"recommended ({reason}):\n{yaml_section(section, step_knobs(best['knobs']))}"
+            )
+        print(("\n" if found else "") + recommendation)
+        if found:
             print(f"saved to {out / 'recommended.json'}")
     ratios = [
         f"{row['model']}: FSDP/DDP throughput {fsdp['samples_per_s'] / row['samples_per_s']:.2f}x"
@@ -441,7 +446,7 @@ def _report(plan: Plan, extra: dict[str, Any]) -> None:
         print(line)
     print(f"results: {out / 'results.json'}")
     print("plots: " + ", ".join(str(p) for p in pngs))
-    print(f"report: {write_report(out, payload, pngs)}")
+    print(f"report: {write_report(out, payload, pngs, recommendation)}")
 
 
 def _estimate(args: argparse.Namespace) -> int:
@@ -504,7 +509,7 @@ def _estimate(args: argparse.Namespace) -> int:
     print(estimate_table(rows))
     print(
         f"estimated in {env['seconds']:.1f} s, peak RSS {env['peak_rss_bytes'] / 2**30:.2f} GiB "
-        f"at most, {jobs} worker process(es) included"
+        + ("(one process)" if jobs == 1 else f"at most ({jobs} worker processes included)")
     )
     if args.compare is not None:
         if not checked:

@@ -10,7 +10,6 @@ the bytes each collective moves. Nothing of the full model is ever allocated.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import os
@@ -28,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from strategy_bench import _wrappers
-from strategy_bench._accounting import account
+from strategy_bench._accounting import account, autocast
 from strategy_bench._compat import FakeTensorMode, fake_process_group
 from strategy_bench._errors import BenchUsageError
 from strategy_bench._knobs import micro_steps, prepare_blocks
@@ -148,9 +147,6 @@ def estimate_point(
         if point.strategy == "fsdp":
             model = _wrappers.ours("fsdp", model, _CPU, point.knobs)
         optimizer = _local_optimizer(model.parameters())
-        autocast: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if options.dtype == "bf16":
-            autocast = torch.autocast("cpu", dtype=torch.bfloat16)
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=_CPU)
             generator = torch.Generator()
@@ -158,7 +154,8 @@ def estimate_point(
                 workload.make_batch(options.batch_size, _CPU, generator)
                 for _ in range(micro_steps(point.knobs))
             ]
-            out = account(model, optimizer, workload.loss, batches, autocast)
+            compute = autocast(options.dtype, _CPU)
+            out = account(model, optimizer, workload.loss, batches, compute)
     if point.strategy == "ddp":
         out.update(_ddp_communication(model))
     static = out["param_bytes"] + out["grad_bytes"] + out["optimizer_bytes"]

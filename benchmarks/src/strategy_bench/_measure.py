@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import gc
@@ -17,7 +16,7 @@ from torch import nn
 
 from distributed_strategy import build_replicated_model, derive_seed
 from strategy_bench import _wrappers
-from strategy_bench._accounting import account, accumulate
+from strategy_bench._accounting import account, accumulate, autocast
 from strategy_bench._ckpt import checkpoint_cost
 from strategy_bench._flops import count_step_flops
 from strategy_bench._knobs import micro_steps, prepare_blocks
@@ -104,12 +103,6 @@ def _build(point: _Point, out: dict[str, Any]) -> nn.Module:
     return model
 
 
-def _autocast(options: RunOptions, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    if options.dtype == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def _count_flops(point: _Point, model: nn.Module) -> float:
     """Training FLOPs per sample, counted over one forward and backward before the wrap.
 
@@ -120,7 +113,7 @@ def _count_flops(point: _Point, model: nn.Module) -> float:
     batch = workload.make_batch(options.batch_size, device, generator)
 
     def step() -> None:
-        with _autocast(options, device):
+        with autocast(options.dtype, device):
             loss = workload.loss(model, batch)
         loss.backward()  # type: ignore[no-untyped-call]
 
@@ -198,10 +191,10 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
         for _ in range(min(4, (options.steps + options.warmup) * micro))
     ]
     cycle = itertools.cycle(batches)
-    autocast = _autocast(options, device)
+    compute = autocast(options.dtype, device)
 
     def step() -> None:
-        accumulate(wrapped, workload.loss, [next(cycle) for _ in range(micro)], autocast)
+        accumulate(wrapped, workload.loss, [next(cycle) for _ in range(micro)], compute)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -210,7 +203,7 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
     out["peak_mem_bytes"] = memory.peak
     out["peak_reserved_bytes"] = memory.reserved
     batch = [next(cycle) for _ in range(micro)]
-    out.update(account(wrapped, optimizer, workload.loss, batch, autocast))
+    out.update(account(wrapped, optimizer, workload.loss, batch, compute))
     checkpoint_cost(wrapped, optimizer, device, raw_first=point.index % 2 == 0, out=out)
 
 

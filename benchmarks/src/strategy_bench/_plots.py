@@ -12,6 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # the backend is chosen first
 
 from strategy_bench._kept import knob_text, ok_rows
+from strategy_bench._knobs import step_knobs
 from strategy_bench._results import MEMORY_KINDS, byte_unit
 
 _COLOURS = (
@@ -313,7 +314,11 @@ def _init(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path | N
 
 
 def plot_sweep(payload: Mapping[str, Any], path: Path) -> Path:
-    """Throughput against peak memory, one labelled point per sweep point."""
+    """Throughput against peak memory, one labelled point per sweep point.
+
+    Triangles mark points with a knob of the trainer's step (accumulation, checkpointing,
+    compile); circles the wrapper's knobs and the defaults.
+    """
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for index, strategy in enumerate(("ddp", "fsdp")):
         rows = [r for r in ok_rows(payload["results"]) if r["strategy"] == strategy]
@@ -321,7 +326,21 @@ def plot_sweep(payload: Mapping[str, Any], path: Path) -> Path:
             continue
         xs = [r["peak_mem_bytes"] / 2**20 for r in rows]
         ys = [r["samples_per_s"] for r in rows]
-        ax.scatter(xs, ys, label=strategy.upper(), color=_COLOURS[index], s=40)
+        stepped = [bool(step_knobs(row["knobs"])) for row in rows]
+        for marker, label, wanted in (
+            ("o", strategy.upper(), False),
+            ("^", f"{strategy.upper()} + trainer knob", True),
+        ):
+            picked = [i for i, flag in enumerate(stepped) if flag == wanted]
+            if picked:
+                ax.scatter(
+                    [xs[i] for i in picked],
+                    [ys[i] for i in picked],
+                    label=label,
+                    color=_COLOURS[index],
+                    marker=marker,
+                    s=40,
+                )
         for x, y, row in zip(xs, ys, rows, strict=True):
             text = knob_text(row["knobs"], ", ") or "defaults"
             ax.annotate(text, (x, y), fontsize=6, xytext=(4, 3), textcoords="offset points")

@@ -6,19 +6,25 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from strategy_bench._kept import describe_failure, knob_text, ok_rows
+from strategy_bench._kept import describe_failure, describe_skipped, knob_text, ok_rows
 from strategy_bench._results import MEMORY_KINDS
 
 _MIB = 2**20
 
 
-def write_report(out_dir: Path, payload: Mapping[str, Any], pngs: Sequence[Path]) -> Path:
+def write_report(
+    out_dir: Path,
+    payload: Mapping[str, Any],
+    pngs: Sequence[Path],
+    recommendation: str | None = None,
+) -> Path:
     """Write ``out_dir/report.md`` for one run and return its path.
 
     Args:
         out_dir: The run directory (the plots are linked relative to it).
         payload: The run's ``results.json`` content.
         pngs: The plots drawn for it.
+        recommendation: A sweep's recommendation (its reason and the YAML section).
     """
     env = payload["env"]
     rows = payload["results"]
@@ -41,8 +47,14 @@ def write_report(out_dir: Path, payload: Mapping[str, Any], pngs: Sequence[Path]
     if failures:
         lines += ["", "Points that did not complete:", ""]
         lines += [f"- {describe_failure(row)}" for row in failures]
+    skipped = payload.get("skipped", [])
+    if skipped:
+        lines += ["", "Points not measured:", ""]
+        lines += [f"- {describe_skipped(point)}" for point in skipped]
     lines += ["", "## Verdict", ""]
     lines += _verdicts(rows) or ["No model was measured under both DDP and FSDP."]
+    if recommendation is not None:
+        lines += ["", "## Recommendation", "", "```text", recommendation, "```"]
     lines += ["", "## Plots", ""]
     lines += [f"![{png.stem}]({png.name})" for png in pngs]
     path = out_dir / "report.md"

@@ -62,7 +62,8 @@ def sweep_configs(
     Args:
         workloads: How many workloads the sweep covers.
         bf16: Whether the device computes in bfloat16 (the mixed-precision points).
-        knobs: ``--knobs``: keep only the points that set one of these knobs.
+        knobs: ``--knobs``: keep only the points that set one of these knobs, and each
+            strategy at its defaults (the baseline they are judged against).
 
     Raises:
         BenchUsageError: If a name in ``knobs`` is not a knob of the sweep.
@@ -75,7 +76,9 @@ def sweep_configs(
             raise BenchUsageError(
                 f"--knobs: unknown knob {unknown[0]!r}; the sweep's knobs are {', '.join(known)}"
             )
-        points = [(s, point) for s, point in points if any(name in point for name in knobs)]
+        points = [
+            (s, point) for s, point in points if not point or any(name in point for name in knobs)
+        ]
     return [
         Config(workload=index, strategy=strategy, knobs=point)
         for strategy, point in points
