@@ -69,3 +69,12 @@ class NeedsData(UserNet):
     def __init__(self, width: int = 16) -> None:
         super().__init__(width)
         self.scale = float(self.stem.weight.detach().abs().max())
+
+
+class ReadsValues(UserNet):
+    """Branches on a tensor's value in forward: runs for real, not on fake tensors."""
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        if float(x.detach().abs().sum()) >= 0:
+            x = x * 1.0
+        return super().forward(x, scale)

@@ -486,6 +486,25 @@ def test_estimate_keeps_an_earlier_estimate(
     assert (earlier / "estimate.json").read_text() == "{}"
 
 
+def test_estimate_of_a_model_that_reads_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In-process (fake process groups only): each point gets a failed row with the reason,
+    the command says what the model must avoid and exits 1."""
+    args = ["estimate", "--model-factory", "bench_factories:ReadsValues"]
+    args += ["--input-factory", "bench_factories:make_batch", "--world-size", "2", "4"]
+    args += ["--strategies", "fsdp", "--jobs", "1", "--out", str(tmp_path)]
+    assert exit_code(args) == 1
+    rows = json.loads((tmp_path / "estimate.json").read_text())["rows"]
+    assert len(rows) == 3 * 2 and {row["status"] for row in rows} == {"failed"}
+    assert all(row["error"] for row in rows)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("strategy-bench: could not")]
+    assert len(lines) == 1, err  # one line per model
+    assert "could not estimate ReadsValues (6 point(s) failed" in lines[0]
+    assert "no .item()" in lines[0]
+
+
 def test_cuda_requests_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 

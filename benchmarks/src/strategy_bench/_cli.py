@@ -488,6 +488,9 @@ def _estimate(args: argparse.Namespace) -> int:
     def progress(count: int, total: int, row: dict[str, Any]) -> None:
         what = f"{row['strategy']} {row['model']} {knob_text(row['knobs'], ' ')}".strip()
         ranks = "any" if row["strategy"] == "ddp" else str(row["world_size"])
+        if row["status"] != "ok":
+            logger.info("[%d/%d] %s, %s ranks: failed: %s", count, total, what, ranks, row["error"])
+            return
         logger.info(
             "[%d/%d] %s, %s ranks: %.2f GiB per rank, %.1f s",
             count,
@@ -505,7 +508,7 @@ def _estimate(args: argparse.Namespace) -> int:
     checked = agreement(rows, measured)
     payload = {"schema": ESTIMATE_SCHEMA, "env": env, "rows": rows, "agreement": checked}
     write_json_atomic(out / "estimate.json", payload)
-    png = plot_estimate(rows, out / "estimate.png")
+    png = plot_estimate(rows, out / "estimate.png") if ok_rows(rows) else None
     print(estimate_table(rows))
     print(
         f"estimated in {env['seconds']:.1f} s, peak RSS {env['peak_rss_bytes'] / 2**30:.2f} GiB "
@@ -516,7 +519,17 @@ def _estimate(args: argparse.Namespace) -> int:
             print("--compare: no measured point matches (model, strategy, knobs, ranks, batch)")
         else:
             print("\nestimate vs measured:\n" + agreement_table(checked))
-    print(f"estimate: {out / 'estimate.json'}\nplot: {png}")
+    print(f"estimate: {out / 'estimate.json'}\nplot: {png or '-'}")
+    failed = [row for row in rows if row["status"] != "ok"]
+    for model, row in {r["model"]: r for r in failed}.items():
+        count = sum(r["model"] == model for r in failed)
+        sys.stderr.write(
+            f"strategy-bench: could not estimate {model} ({count} point(s) failed, e.g. "
+            f"{row['strategy']} at {row['world_size']} ranks): {row['error']}; the model must "
+            "run on fake tensors: no .item(), no shapes that depend on values\n"
+        )
+    if failed:
+        return 1
     if not all(row["ok"] for row in checked):
         sys.stderr.write(
             "strategy-bench: the estimate disagrees with a measurement beyond the tolerance "

@@ -30,6 +30,7 @@ from strategy_bench import _wrappers
 from strategy_bench._accounting import account, autocast
 from strategy_bench._compat import FakeTensorMode, fake_process_group
 from strategy_bench._errors import BenchUsageError
+from strategy_bench._kept import FAILED, OK, ok_rows
 from strategy_bench._knobs import micro_steps, prepare_blocks
 from strategy_bench._plan import WorkloadSpec
 from strategy_bench._results import git_revision
@@ -133,12 +134,37 @@ def estimate_point(
     """One rank's memory and communication for ``point``, in this process.
 
     Returns:
-        The row: ``model``, ``strategy``, ``knobs``, ``world_size``, the per-rank
-        ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``activation_peak_bytes`` and
-        ``comm_bytes_per_step`` / ``comm_calls_per_step``, and the seconds it took.
+        The row: ``model``, ``strategy``, ``knobs``, ``world_size``, ``status``, the
+        per-rank ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``,
+        ``activation_peak_bytes`` and ``comm_bytes_per_step`` / ``comm_calls_per_step``,
+        and the seconds it took. A model that cannot be stepped on fake tensors (its
+        forward reads tensor values: ``.item()``, data-dependent shapes) gets a row with
+        ``status: "failed"`` and the error instead; the other points go on.
     """
     begin = time.monotonic()
     workload = spec.build()
+    head = {
+        "model": workload.name,
+        "strategy": point.strategy,
+        "knobs": dict(point.knobs),
+        "world_size": point.world_size,
+        "batch_size": options.batch_size * micro_steps(point.knobs),
+        "dtype": options.dtype,
+    }
+    try:
+        row = _step(workload, point, options)
+    except BenchUsageError:
+        raise
+    except Exception as error:  # whatever the model raised on fake tensors: that is the row
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = f"{type(error).__name__}: {lines[0] if lines else ''}"[:400]
+        logger.debug("estimate of %s failed", head, exc_info=True)
+        return {**head, "status": FAILED, "error": reason, "seconds": time.monotonic() - begin}
+    return {**head, "status": OK, **row, "seconds": time.monotonic() - begin}
+
+
+def _step(workload: Workload, point: EstimatePoint, options: EstimateOptions) -> dict[str, Any]:
+    """Wrap and step the model as one rank of ``point.world_size`` ranks; read what it held."""
     with fake_process_group(point.world_size):
         model = meta_model(workload)
         params = sum(p.numel() for p in model.parameters())
@@ -160,18 +186,11 @@ def estimate_point(
         out.update(_ddp_communication(model))
     static = out["param_bytes"] + out["grad_bytes"] + out["optimizer_bytes"]
     return {
-        "model": workload.name,
-        "strategy": point.strategy,
-        "knobs": dict(point.knobs),
-        "world_size": point.world_size,
-        "batch_size": options.batch_size * micro_steps(point.knobs),
-        "dtype": options.dtype,
         "params": params,
         "trainable_params": trainable,
         **out,
         "static_bytes": static,
         "total_bytes": static + out["activation_peak_bytes"],
-        "seconds": time.monotonic() - begin,
     }
 
 
@@ -296,9 +315,9 @@ def agreement(
         communication bytes, each relative error, and ``ok`` when all are within
         :data:`AGREEMENT`.
     """
-    by_point = {_match_key(row): row for row in measured if row.get("status", "ok") == "ok"}
+    by_point = {_match_key(row): row for row in ok_rows(measured)}
     rows = []
-    for row in estimated:
+    for row in ok_rows(estimated):
         other = by_point.get(_match_key(row))
         if other is None:
             continue

@@ -359,6 +359,7 @@ def plot_estimate(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
     One panel per model and point (strategy and knobs), world sizes on the x axis; the
     communication bytes per step are written above each bar.
     """
+    rows = ok_rows(rows)
     unit, scale = byte_unit(max(row["total_bytes"] for row in rows))
     models = list(dict.fromkeys(row["model"] for row in rows))
     variants = list(dict.fromkeys((row["strategy"], knob_text(row["knobs"], ", ")) for row in rows))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from strategy_bench._kept import OK, OOM, knob_text
+from strategy_bench._kept import OK, OOM, knob_text, ok_rows
 from strategy_bench._results import byte_unit
 from strategy_bench._sweep import budgeted
 
@@ -71,7 +71,7 @@ def _render(lines: Sequence[tuple[str, ...]]) -> str:
 
 def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """``strategy-bench estimate``'s table: one line per point and world size, per rank."""
-    unit, scale = byte_unit(max((row["total_bytes"] for row in rows), default=0))
+    unit, scale = byte_unit(max((row["total_bytes"] for row in ok_rows(rows)), default=0))
 
     def size(value: float) -> str:
         return f"{value / scale:.2f}"
@@ -90,6 +90,13 @@ def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
     )
     lines: list[tuple[str, ...]] = [header]
     for row in rows:
+        if row.get("status", OK) != OK:
+            lines.append(
+                (str(row["model"]), str(row["strategy"]), knob_text(row.get("knobs")) or "-")
+                + (str(row["world_size"]), "failed")
+                + ("-",) * (len(header) - 5)
+            )
+            continue
         comm = row.get("comm_bytes_per_step") or {}
         lines.append(
             (
