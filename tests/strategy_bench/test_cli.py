@@ -76,7 +76,7 @@ def assert_png(path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_run_smoke(tmp_path: Path) -> None:
+def test_run_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "run"
     done = bench("run", *QUICK, "--models", "tiny", "--peak-tflops", "0.5", "--out", str(out))
     assert done.returncode == 0, done.stderr
@@ -139,23 +139,25 @@ def test_run_smoke(tmp_path: Path) -> None:
     # The estimate of the same points (fake process group, meta and fake tensors) agrees
     # with what the run measured on 2 real ranks, under both strategies.
     estimated = tmp_path / "estimate"
-    done = bench(
-        "estimate",
-        "--models",
-        "tiny",
-        "--world-size",
-        "2",
-        "512",
-        "--batch-size",
-        "2",
-        "--jobs",
-        "1",
-        "--compare",
-        str(out / "results.json"),
-        "--out",
-        str(estimated),
+    code = exit_code(
+        [
+            "estimate",
+            "--models",
+            "tiny",
+            "--world-size",
+            "2",
+            "512",
+            "--batch-size",
+            "2",
+            "--jobs",
+            "1",
+            "--compare",
+            str(out / "results.json"),
+            "--out",
+            str(estimated),
+        ]
     )
-    assert done.returncode == 0, done.stderr
+    assert code == 0, capsys.readouterr().err
     estimate = json.loads((estimated / "estimate.json").read_text())
     checked = {row["strategy"]: row for row in estimate["agreement"]}
     assert sorted(checked) == ["ddp", "fsdp"]
@@ -164,14 +166,12 @@ def test_run_smoke(tmp_path: Path) -> None:
         assert row["static_error"] <= 0.05, row
         assert row["activation_error"] <= 0.20, row
         assert row["comm_error"] <= 0.01, row
-    assert "estimate vs measured:" in done.stdout
+    assert "estimate vs measured:" in capsys.readouterr().out
     assert_png(estimated / "estimate.png")
 
     compare = tmp_path / "compare"
-    replot = bench(
-        "plot", str(out / "results.json"), str(out / "results.json"), "--out", str(compare)
-    )
-    assert replot.returncode == 0, replot.stderr
+    replot = ["plot", str(out / "results.json"), str(out / "results.json"), "--out", str(compare)]
+    assert exit_code(replot) == 0
     assert_png(compare / "throughput.png")
 
 
@@ -206,7 +206,7 @@ def test_under_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_user_model_end_to_end(tmp_path: Path) -> None:
+def test_user_model_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "user"
     done = bench(
         "run",
@@ -245,22 +245,9 @@ def test_user_model_end_to_end(tmp_path: Path) -> None:
     # The estimate of the user model, trainable policy included, at 2 ranks (checked against
     # the run) and at 64: a shard per rank, padded (16 rows do not split in 64).
     estimated = tmp_path / "estimate"
-    done = bench(
-        "estimate",
-        *USER_MODEL,
-        "--world-size",
-        "2",
-        "64",
-        "--batch-size",
-        "2",
-        "--jobs",
-        "2",
-        "--compare",
-        str(out / "results.json"),
-        "--out",
-        str(estimated),
-    )
-    assert done.returncode == 0, done.stderr
+    args = ["estimate", *USER_MODEL, "--world-size", "2", "64", "--batch-size", "2"]
+    args += ["--jobs", "2", "--compare", str(out / "results.json"), "--out", str(estimated)]
+    assert exit_code(args) == 0, capsys.readouterr().err
     estimate = json.loads((estimated / "estimate.json").read_text())
     assert len(estimate["agreement"]) == 2 and all(r["ok"] for r in estimate["agreement"])
     by = {(r["strategy"], tuple(r["knobs"].items()), r["world_size"]): r for r in estimate["rows"]}

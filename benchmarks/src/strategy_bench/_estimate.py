@@ -23,6 +23,7 @@ from multiprocessing import get_context
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -237,21 +238,23 @@ def run_estimate(
     DDP's per-rank figures do not depend on the world size (every rank holds the whole
     model and all-reduces every gradient): each DDP variant is stepped once and its row is
     repeated for the other world sizes. FSDP points are stepped at each world size.
-    ``jobs > 1`` spreads them over spawned processes (each has its own fake group).
+    ``jobs > 1`` spreads them over spawned processes (each has its own fake group); so
+    does a process that already has a process group of its own, which is left alone.
     """
     unique: dict[tuple[Any, ...], EstimatePoint] = {}
     for point in points:
         unique.setdefault(_step_key(point), point)
     todo = list(unique.values())
     done: dict[tuple[Any, ...], dict[str, Any]] = {}
-    if jobs <= 1 or len(todo) <= 1:
+    if (jobs <= 1 or len(todo) <= 1) and not dist.is_initialized():
         for count, point in enumerate(todo, 1):
             done[_step_key(point)] = row = estimate_point(specs[point.workload], point, options)
             if progress is not None:
                 progress(count, len(todo), row)
     else:
         context = get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+        workers = max(1, min(jobs, len(todo)))
+        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
             futures = {
                 pool.submit(estimate_point, specs[point.workload], point, options): point
                 for point in todo
