@@ -198,8 +198,17 @@ def _watch(
             codes = [proc.exitcode for proc in procs]
             failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
             if failed:
+                # The cause may be another rank: one that ran out of memory makes the others
+                # fail in their next collective, and either may be seen exiting first. Give
+                # the rest a moment to exit, then read every rank that wrote a report.
+                _settle(procs, seconds=1.0)
                 _stop(procs)
-                reports = [_read_report(errors, rank, codes[rank]) for rank in failed]
+                codes = [proc.exitcode for proc in procs]
+                reports = [
+                    _read_report(errors, rank, codes[rank])
+                    for rank in range(len(procs))
+                    if rank in failed or (errors / f"rank{rank}.json").exists()
+                ]
                 for report in reports:
                     sys.stderr.write(
                         f"strategy-bench: rank {report['rank']} failed (exit code "
@@ -235,6 +244,13 @@ def _read_report(errors: Path, rank: int, code: int | None) -> dict[str, Any]:
         report["error"] = f"exited with code {code} without a traceback"
     report["exit_code"] = code
     return report
+
+
+def _settle(procs: Sequence[mp.process.BaseProcess], *, seconds: float) -> None:
+    """Wait up to ``seconds`` for every process to exit by itself."""
+    end = time.monotonic() + seconds
+    while any(proc.is_alive() for proc in procs) and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 def _stop(procs: Sequence[mp.process.BaseProcess]) -> None:
