@@ -86,6 +86,14 @@ def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return int(total)
 
 
+def parameter_counts(model: nn.Module) -> dict[str, int]:
+    """``params`` and ``trainable_params``: elements of all and of the trainable parameters."""
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+    }
+
+
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the optimizer's state tensors on this rank (AdamW: two moments, a step)."""
     return local_bytes(

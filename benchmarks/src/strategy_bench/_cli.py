@@ -35,6 +35,7 @@ from strategy_bench._kept import (
     knob_text,
     ok_rows,
     point_key,
+    require_out_dir,
 )
 from strategy_bench._knobs import step_knobs
 from strategy_bench._launch import launch, under_torchrun
@@ -280,11 +281,8 @@ def _cuda_bf16() -> bool:
 def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
     device = _resolve_device(args.device)
     world = _world_size(args.world_size, device)
-    for name in ("steps",):
-        if getattr(args, name) < 1:
-            raise BenchUsageError(
-                f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
-            )
+    if args.steps < 1:
+        raise BenchUsageError(f"--steps must be >= 1, got {args.steps}")
     if args.warmup < 0:
         raise BenchUsageError(f"--warmup must be >= 0, got {args.warmup}")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
@@ -460,8 +458,7 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise BenchUsageError(f"--jobs must be >= 1, got {args.jobs}")
     out: Path = args.out
-    if out.exists() and not out.is_dir():
-        raise BenchUsageError(f"--out {str(out)!r} is a file; give a directory for the estimate")
+    require_out_dir(out, "the estimate")
     if (out / "estimate.json").exists() and not args.overwrite:
         raise BenchUsageError(
             f"--out {str(out)!r} already holds an estimate; pass --overwrite or another --out"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import platform
 import resource
 import sys
 import time
@@ -28,13 +27,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from strategy_bench import _wrappers
-from strategy_bench._accounting import account, autocast
+from strategy_bench._accounting import account, autocast, local_bytes, parameter_counts
 from strategy_bench._compat import FakeTensorMode, fake_process_group
-from strategy_bench._errors import BenchUsageError
+from strategy_bench._errors import BenchUsageError, error_summary
 from strategy_bench._kept import FAILED, OK, ok_rows
 from strategy_bench._knobs import micro_steps, prepare_blocks
 from strategy_bench._plan import WorkloadSpec
-from strategy_bench._results import git_revision
+from strategy_bench._results import host_environment
 from strategy_bench._workload import Workload, training_optimizer
 
 logger = logging.getLogger(__name__)
@@ -123,10 +122,7 @@ def meta_model(workload: Workload) -> nn.Module:
         raise BenchUsageError(
             f"the model factory {workload.name!r} returned {type(model).__name__}, not an nn.Module"
         )
-    if workload.trainable is not None:
-        result = workload.trainable(model)
-        model = result if isinstance(result, nn.Module) else model
-    return model
+    return workload.with_trainable(model)
 
 
 def estimate_point(
@@ -157,10 +153,9 @@ def estimate_point(
     except BenchUsageError:
         raise
     except Exception as error:  # whatever the model raised on fake tensors: that is the row
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        reason = f"{type(error).__name__}: {lines[0] if lines else ''}"[:400]
         logger.debug("estimate of %s failed", head, exc_info=True)
-        return {**head, "status": FAILED, "error": reason, "seconds": time.monotonic() - begin}
+        failed = {"status": FAILED, "error": error_summary(error, 400)}
+        return {**head, **failed, "seconds": time.monotonic() - begin}
     return {**head, "status": OK, **row, "seconds": time.monotonic() - begin}
 
 
@@ -168,8 +163,7 @@ def _step(workload: Workload, point: EstimatePoint, options: EstimateOptions) ->
     """Wrap and step the model as one rank of ``point.world_size`` ranks; read what it held."""
     with fake_process_group(point.world_size):
         model = meta_model(workload)
-        params = sum(p.numel() for p in model.parameters())
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        counts = parameter_counts(model)
         prepare_blocks(model, point.knobs)
         if point.strategy == "fsdp":
             model = _wrappers.ours("fsdp", model, _CPU, point.knobs)
@@ -187,8 +181,7 @@ def _step(workload: Workload, point: EstimatePoint, options: EstimateOptions) ->
         out.update(_ddp_communication(model))
     static = out["param_bytes"] + out["grad_bytes"] + out["optimizer_bytes"]
     return {
-        "params": params,
-        "trainable_params": trainable,
+        **counts,
         **out,
         "static_bytes": static,
         "total_bytes": static + out["activation_peak_bytes"],
@@ -221,8 +214,8 @@ def _ddp_communication(model: nn.Module) -> dict[str, Any]:
     number of all-reduce calls depends on the buckets DDP builds at run time and is left
     out (``None``).
     """
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return {"comm_bytes_per_step": {"all_reduce": int(trainable)}, "comm_calls_per_step": None}
+    trainable = local_bytes(p for p in model.parameters() if p.requires_grad)
+    return {"comm_bytes_per_step": {"all_reduce": trainable}, "comm_calls_per_step": None}
 
 
 def run_estimate(
@@ -292,14 +285,10 @@ def estimate_environment(options: EstimateOptions, jobs: int) -> dict[str, Any]:
     """What the estimate ran on and with (the estimate itself does not depend on it)."""
     return {
         "kind": "estimate",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "git": git_revision(),
-        "host": platform.node(),
+        **host_environment(),
         "cpus": os.cpu_count(),
         "jobs": jobs,
         "options": {"batch_size": options.batch_size, "dtype": options.dtype},
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
 

@@ -33,8 +33,7 @@ def check_out(out: Path, *, overwrite: bool, resume: bool) -> list[dict[str, Any
     """
     if overwrite and resume:
         raise BenchUsageError("--overwrite and --resume exclude each other; pick one")
-    if out.exists() and not out.is_dir():
-        raise BenchUsageError(f"--out {str(out)!r} is a file; give a directory for the results")
+    require_out_dir(out, "the results")
     results = out / "results.json"
     if not results.exists():
         if resume:
@@ -56,6 +55,16 @@ def check_out(out: Path, *, overwrite: bool, resume: bool) -> list[dict[str, Any
     except ValueError as error:
         raise BenchUsageError(f"--resume: {error}") from None
     return [dict(row) for row in payload["results"]]
+
+
+def require_out_dir(out: Path, what: str) -> None:
+    """Refuse an ``--out`` that exists and is not a directory (``what`` goes in it).
+
+    Raises:
+        BenchUsageError: If ``out`` is a file.
+    """
+    if out.exists() and not out.is_dir():
+        raise BenchUsageError(f"--out {str(out)!r} is a file; give a directory for {what}")
 
 
 def point_key(point: Mapping[str, Any]) -> tuple[str, str, str]:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from distributed_strategy import select_shard_targets
-from strategy_bench._errors import BenchUsageError
+from strategy_bench._errors import BenchUsageError, error_summary
 
 STEP_KNOBS = ("grad_accum", "activation_checkpointing", "compile")
 """Knobs of the training step, not of the wrapper (not part of ``training.distributed``)."""
@@ -51,6 +51,11 @@ def compile_backend(knobs: Mapping[str, Any]) -> str | None:
     if isinstance(value, str) and value:
         return value
     raise BenchUsageError(f"compile must be true, false or a backend name, got {value!r}")
+
+
+def needs_compiler(knobs: Mapping[str, Any]) -> bool:
+    """Whether a point compiles with inductor, the compiler that may be missing (probed)."""
+    return compile_backend(knobs) == "inductor"
 
 
 def prepare_blocks(model: nn.Module, knobs: Mapping[str, Any]) -> list[nn.Module]:
@@ -97,9 +102,9 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def compile_unavailable(device: str) -> str | None:
     """Why ``torch.compile`` (inductor) cannot run here, or ``None`` when it can.
 
-    Compiles and runs a two-op function on ``device`` once; the first error's last line is
-    the reason (no C++ compiler for CPU code, no Triton for GPU code, ...). Costs seconds:
-    call it only when a compile point is about to run.
+    Compiles and runs a two-op function on ``device`` once; the error's first line is the
+    reason (no C++ compiler for CPU code, no Triton for GPU code, ...). Costs seconds: call
+    it only when a compile point is about to run.
     """
 
     def probe(x: torch.Tensor) -> torch.Tensor:
@@ -109,9 +114,7 @@ def compile_unavailable(device: str) -> str | None:
         compiled = torch.compile(probe, backend="inductor")
         compiled(torch.ones(4, device=device))
     except Exception as error:  # whatever the compiler stack raised: that is the reason
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        first = lines[0][:300] if lines else ""
-        return f"torch.compile does not work on {device}: {type(error).__name__}: {first}"
+        return f"torch.compile does not work on {device}: {error_summary(error)}"
     finally:
         torch.compiler.reset()
     return None

@@ -21,7 +21,7 @@ import torch
 
 from strategy_bench._budget import TimeBudget
 from strategy_bench._kept import describe_failure, describe_skipped, failure_row, ok_rows
-from strategy_bench._knobs import compile_backend
+from strategy_bench._knobs import needs_compiler
 from strategy_bench._memory import memory_reached
 from strategy_bench._plan import Plan
 from strategy_bench._results import environment, read_results, write_results
@@ -98,7 +98,7 @@ def _each_point(plan: Plan, scratch: Path, deadline: float | None, addr: str) ->
     for index, config in enumerate(plan.configs):
         described = config.describe(plan.workloads)
         reason = None
-        if compile_reason is not None and compile_backend(config.knobs) == "inductor":
+        if compile_reason is not None and needs_compiler(config.knobs):
             reason = compile_reason
         elif not budget.fits(config.workload):
             reason = plan.budget_text()
@@ -129,7 +129,7 @@ def _each_point(plan: Plan, scratch: Path, deadline: float | None, addr: str) ->
             rows.extend(payload["results"])
             for unmeasured in payload.get("skipped", []):  # the ranks skipped it: why
                 skipped.append(unmeasured)
-                if compile_backend(unmeasured["knobs"]) == "inductor":
+                if needs_compiler(unmeasured["knobs"]):
                     compile_reason = unmeasured.get("reason")
             if payload["results"]:
                 budget.spent(config.workload, seconds)

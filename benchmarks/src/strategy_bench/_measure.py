@@ -16,7 +16,7 @@ from torch import nn
 
 from distributed_strategy import build_replicated_model, derive_seed
 from strategy_bench import _wrappers
-from strategy_bench._accounting import account, accumulate, autocast
+from strategy_bench._accounting import account, accumulate, autocast, parameter_counts
 from strategy_bench._ckpt import checkpoint_cost
 from strategy_bench._flops import count_step_flops
 from strategy_bench._knobs import micro_steps, prepare_blocks
@@ -93,13 +93,10 @@ def _build(point: _Point, out: dict[str, Any]) -> nn.Module:
         )
     out["init_rank0_host_peak_bytes"] = host.peak - host.start
     del other
-    if workload.trainable is not None:
-        result = workload.trainable(model)
-        model = result if isinstance(result, nn.Module) else model
+    model = workload.with_trainable(model)
     out["flops_per_sample"] = _count_flops(point, model)  # model FLOPs: no recompute
     prepare_blocks(model, point.knobs)
-    out["params"] = sum(p.numel() for p in model.parameters())
-    out["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    out.update(parameter_counts(model))
     return model
 
 

@@ -150,8 +150,8 @@ def _width(groups: int, series: int) -> float:
     return bars + (4.5 if series > 4 else 0.0)
 
 
-def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
+def _save(fig: Any, path: Path, rect: tuple[float, float, float, float] | None = None) -> Path:
+    fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -407,7 +407,4 @@ def plot_estimate(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
         f"Estimated memory per rank by kind; comm = {unit} each rank sends per step",
         fontsize=10,
     )
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path, rect=(0, 0.05, 1, 1))  # room for the legend below

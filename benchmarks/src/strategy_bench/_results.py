@@ -72,18 +72,25 @@ def environment(
     name = device_name(device)
     peak, source = peak_flops(name, dtype, peak_tflops)
     return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        **host_environment(),
         "backend": backend,
         "device": device.type,
         "device_name": name,
         "world_size": world_size,
-        "git": git_revision(),
-        "host": platform.node(),
         "cpu_threads": torch.get_num_threads(),
         "peak_flops": peak,
         "peak_flops_source": source,
         "matmul_flops": matmul_flops,
+    }
+
+
+def host_environment() -> dict[str, Any]:
+    """What every results file records of where it was made: versions, revision, host, time."""
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "git": git_revision(),
+        "host": platform.node(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 

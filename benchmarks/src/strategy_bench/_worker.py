@@ -16,7 +16,7 @@ import torch.distributed as dist
 from strategy_bench._budget import TimeBudget
 from strategy_bench._flops import measure_matmul_flops
 from strategy_bench._kept import knob_text
-from strategy_bench._knobs import compile_backend, compile_unavailable, micro_steps
+from strategy_bench._knobs import compile_unavailable, micro_steps, needs_compiler
 from strategy_bench._measure import measure, warm_up_process
 from strategy_bench._plan import Plan
 from strategy_bench._results import environment, merge_ranks, write_results
@@ -105,7 +105,7 @@ def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -
         reason = None
         if not _fits_on_every_rank(budget, config.workload):
             reason = plan.budget_text()
-        elif compile_backend(config.knobs) == "inductor":
+        elif needs_compiler(config.knobs):
             reason = compiler.reason()
         if reason is not None:
             skipped.append({**config.describe(plan.workloads), "reason": reason})

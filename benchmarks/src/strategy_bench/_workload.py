@@ -41,6 +41,13 @@ class Workload:
     flops_per_sample: float | None = None
     trainable: Callable[[nn.Module], Any] | None = None
 
+    def with_trainable(self, model: nn.Module) -> nn.Module:
+        """``model`` after the trainable policy (which may return the model or ``None``)."""
+        if self.trainable is None:
+            return model
+        result = self.trainable(model)
+        return result if isinstance(result, nn.Module) else model
+
 
 def preset_workload(name: str, *, seq_len: int | None = None) -> Workload:
     """The workload of a preset model size (``tiny``, ``small``, ``medium``, ``large``)."""

@@ -40,7 +40,9 @@ def wrap_module_fsdp(
     Applies ``fully_shard`` to each submodule that ``shard`` selects, children before parents,
     then to the root. The same precondition checks, in the same order and with the same
     errors, as ddp-wrap's ``wrap_module_ddp``: initialized process group, at least one
-    trainable parameter, a concrete CUDA index, every parameter on ``device``.
+    trainable parameter, a concrete CUDA index, every parameter on ``device`` (or, unlike
+    DDP, on the meta device: FSDP2's deferred initialization, shard first, then
+    ``to_empty(device=...)`` and initialize the local shards).
 
     The returned module is the model itself (FSDP2 swaps its class for an ``FSDPModule``
     subclass): attributes and methods stay reachable. Its parameters become ``DTensor``
