@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared device check, from the source tree: the CUDA/NCCL tests first, the CUDA
 # benchmark second. Everything it writes goes under $OUT (default ./device-results):
-#     probe.log, tests.log, tests.xml, bench.log, bench/ (results.json, plots), summary.json
+#     probe.log, tests.log, tests.xml, fsdp_init_memory.log, bench.log,
+#     bench/ (results.json, plots), summary.json
 #
 # For a GPU machine without nox or network (torch, matplotlib, pytest and numpy preinstalled):
 #     OUT=/somewhere bash benchmarks/device_check.sh
@@ -62,6 +63,13 @@ PY
 # every package's multi-rank worker on one GPU; the 2-rank ones where 2 GPUs are visible).
 step tests 240 python -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
   tests -k "cuda or nccl"
+
+# FSDP from rank 0 never holds the whole model on the device: the allocator's peak during
+# prepare_model stays within this rank's shards + the largest unit + 10% (a 1.6 GiB model).
+fsdp_width=4096
+if [ "$device" = cpu ]; then fsdp_width=512; fi
+step fsdp_init_memory 60 python benchmarks/fsdp_init_memory.py --device "$device" \
+  --width "$fsdp_width" --depth 12
 
 models="${MODELS:-small large}"
 dtype="${DTYPE:-bf16}"

@@ -35,6 +35,7 @@ TARGETS = {
     "ddp-wrap: wrap vs DDP construction": 1.10,
     "replica-init: build vs bare recipe": 1.05,
     "replica-init: rank0 coalesced vs per-tensor broadcast": 0.5,
+    "prepare_model: FSDP from rank0, streamed vs full replica first (2 ranks)": 1.2,
     "grad-sync: DDP micro-step in no_sync": 1.02,
     "grad-sync: FSDP micro-step in no_sync": 1.02,
     "grad-sync: clip_grad_norm": 1.10,
@@ -88,6 +89,19 @@ class Paired:
     def note(self, **values: Any) -> None:
         """Extra figures for the summary (e.g. throughput)."""
         _EXTRA.setdefault(self.group, {}).update({f"{self.side}_{k}": v for k, v in values.items()})
+
+
+def _record_interleaved(group: str, times: dict[str, list[float]]) -> None:
+    medians = {side: statistics.median(values) for side, values in times.items()}
+    _MEDIANS[group] = dict(medians)
+    _INTERLEAVED[group] = dict(medians)
+
+
+@pytest.fixture
+def record_interleaved() -> Any:
+    """``record(group, {"raw": [s, ...], "ours": [s, ...]})``: a case measured elsewhere (on
+    spawned ranks), in alternating rounds, reported with the others."""
+    return _record_interleaved
 
 
 def _interleave(sides: dict[str, tuple[Any, Any, int, int]]) -> dict[str, float]:

@@ -56,3 +56,47 @@ def train_both(rank: int, world_size: int) -> dict[str, Any]:
             "frozen_grad_is_none": unwrap_model(model).encoder.weight.grad is None,
         }
     return out
+
+
+def sharded_memory(rank: int, world_size: int, params: dict[str, int]) -> dict[str, Any]:
+    """FSDP ``prepare_model`` from rank 0 of a large model: this rank's RSS growth, then the
+    gathered full state's fingerprint against the official order's."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from distributed_strategy import MemoryPeak, model_fingerprint, state_fingerprint
+    from toy_models import WideNet
+
+    with MemoryPeak(interval=0.001) as host:
+        model = prepare_model(
+            WideNet,
+            params,
+            config={"strategy": "fsdp", "source": "rank0"},
+            device=rank_device(),
+            default_dtype=torch.float32,
+            seed=11,
+        )
+    growth = host.host_growth
+    tied = model.head.weight is model.embed.weight
+    full = state_fingerprint(
+        (name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
+        for name, tensor in sorted(
+            [(f"param:{n}", p) for n, p in model.named_parameters()]
+            + [(f"buffer:{n}", b) for n, b in model.named_buffers()]
+        )
+    )
+    del model
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        reference = WideNet(**params)
+    largest = max(p.numel() * p.element_size() for p in reference.parameters())
+    total = sum(p.numel() * p.element_size() for p in reference.parameters())
+    dist.barrier()
+    return {
+        "growth": growth,
+        "tied": tied,
+        "full": full,
+        "reference": model_fingerprint(reference),
+        "largest": largest,
+        "total": total,
+    }

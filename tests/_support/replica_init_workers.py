@@ -6,6 +6,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 from dist_harness import rank_device
 from replica_init import (
@@ -13,9 +16,12 @@ from replica_init import (
     assert_replicas_identical,
     build_replicated_model,
     build_replicated_model_from_scratch,
+    build_sharded_model,
     model_fingerprint,
+    state_fingerprint,
 )
 from replica_init._broadcast import broadcast_coalesced
+from replica_init._fingerprint import named_state_tensors
 from toy_models import ToyNet
 
 PARAMS = {"vocab": 32, "width": 8, "depth": 2}
@@ -97,4 +103,66 @@ def replica_checks(rank: int, world_size: int) -> dict[str, Any]:
     ]
     broadcast_coalesced(tensors, src=0, bucket_bytes=64)
     out["coalesced"] = [t.tolist() for t in tensors]
+    out.update(_sharded_checks(rank, rng_before))
+    return out
+
+
+def _shard(model: nn.Module) -> nn.Module:
+    """FSDP2 as fsdp-wrap applies it: each block, then the root."""
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _full_fingerprint(model: nn.Module) -> str:
+    """The whole model's fingerprint, gathering each sharded tensor (a test-only cost)."""
+    return state_fingerprint(
+        (name, t.full_tensor() if isinstance(t, DTensor) else t)
+        for name, t in named_state_tensors(model)
+    )
+
+
+def _sharded_checks(rank: int, rng_before: torch.Tensor) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    build = {"device": rank_device(), "default_dtype": torch.float32, "shard": _shard}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        reference = ToyNet(**PARAMS)
+    out["sharded_reference"] = model_fingerprint(reference)
+    for source in ("local", "rank0"):
+        built = build_sharded_model(ToyNet, PARAMS, seed=3, source=source, **build)
+        model = built.module
+        out[f"sharded_{source}"] = {
+            "full": _full_fingerprint(model),
+            "verified": built.fingerprint,
+            "dtensors": all(isinstance(p, DTensor) for p in model.parameters()),
+            "tied": model.head.weight is model.embed.weight,
+            "noise": model.noise.tolist(),
+            "rng_unchanged": torch.equal(torch.get_rng_state(), rng_before),
+            "dtype": torch.get_default_dtype() == torch.float32,
+        }
+    try:
+        build_sharded_model(ToyNet, PARAMS, seed=100 + rank, source="local", **build)
+    except ReplicaMismatchError as error:
+        out["sharded_seed_mismatch"] = (str(error), error.ranks, error.tensor)
+
+    def flip_on_rank1(model: nn.Module) -> nn.Module:
+        _shard(model)
+        if rank == 1:
+            with torch.no_grad():
+                local = model.blocks[1].mlp[0].bias.to_local()
+                local.view(torch.int32)[0] ^= 1
+        return model
+
+    try:
+        build_sharded_model(
+            ToyNet, PARAMS, seed=3, source="local", **{**build, "shard": flip_on_rank1}
+        )
+    except ReplicaMismatchError as error:
+        out["sharded_bit_mismatch"] = (str(error), error.ranks, error.tensor)
+    try:
+        build_sharded_model(_fails_on_rank0, PARAMS, seed=3, source="rank0", **build)
+    except Exception as error:
+        out["sharded_rank0_failure"] = f"{type(error).__name__}: {error}"
     return out

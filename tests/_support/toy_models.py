@@ -177,3 +177,22 @@ class SequentialViT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.blocks(self.patch_embed(x)))
+
+
+class WideNet(nn.Module):
+    """About ``4 * depth + 32`` MiB of float32 in ``2 * depth + 1`` tensors plus a tied head:
+    the model that FSDP's memory tests build (a random non-persistent buffer included)."""
+
+    def __init__(self, width: int = 1024, depth: int = 120, vocab: int = 8192) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("noise", torch.randn(width), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.noise
+        for block in self.blocks:
+            x = torch.relu(block(x))
+        return self.head(x)

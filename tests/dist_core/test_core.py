@@ -136,6 +136,15 @@ class TestWithGroup:
             check_wrap_preconditions(on_meta, "cpu", wrapper="w")
         # A wrapper that shards unmaterialized models (FSDP2's deferred init) accepts it.
         assert check_wrap_preconditions(on_meta, "cpu", wrapper="w", allow_meta=True).type == "cpu"
+        # Host parameters for an accelerator: refused for DDP (a replica must be on its
+        # device), accepted where the wrapper moves each unit itself (FSDP2 shards).
+        on_host = nn.Linear(2, 2)
+        with pytest.raises(ValueError, match="parameter 'weight' of Linear is on cpu, but "):
+            check_wrap_preconditions(on_host, "cuda:0", wrapper="w")
+        accepted = check_wrap_preconditions(on_host, "cuda:0", wrapper="w", allow_host=True)
+        assert accepted == torch.device("cuda", 0)
+        with pytest.raises(ValueError, match="parameter 'weight' of Linear is on meta"):
+            check_wrap_preconditions(on_meta, "cuda:0", wrapper="w", allow_host=True)
 
     # Importing dynamo for torch.compile warns about torch.jit in torch 2.13.
     @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")

@@ -67,3 +67,39 @@ def test_coalesced_broadcast_gives_rank0_bits(ranks: list[dict[str, Any]]) -> No
     assert received[1] == list(range(40))
     assert received[2] == [True, False]
     assert received[5] == (torch.arange(12.0).reshape(3, 4).t()).tolist()
+
+
+def test_sharded_builds_equal_the_official_order(ranks: list[dict[str, Any]]) -> None:
+    for source in ("local", "rank0"):
+        for rank in ranks:
+            built = rank[f"sharded_{source}"]
+            assert built["full"] == rank["sharded_reference"], source
+            assert built["dtensors"] and built["tied"], source
+            assert built["rng_unchanged"] and built["dtype"], source
+            assert built["verified"] == ranks[0][f"sharded_{source}"]["verified"], source
+        assert ranks[0][f"sharded_{source}"]["noise"] == ranks[1][f"sharded_{source}"]["noise"]
+    # The same shards, whichever rank built them.
+    assert ranks[0]["sharded_local"]["verified"] == ranks[0]["sharded_rank0"]["verified"]
+
+
+def test_sharded_verification_catches_a_rank_dependent_seed(ranks: list[dict[str, Any]]) -> None:
+    assert ranks[0]["sharded_seed_mismatch"] == ranks[1]["sharded_seed_mismatch"]
+    message, differing, tensor = ranks[0]["sharded_seed_mismatch"]
+    assert message.startswith("sharded model differs: the shards rank ")
+    assert differing in ([0], [1]) and tensor is not None
+
+
+def test_sharded_verification_names_a_flipped_bit(ranks: list[dict[str, Any]]) -> None:
+    assert ranks[0]["sharded_bit_mismatch"] == ranks[1]["sharded_bit_mismatch"]
+    message, differing, tensor = ranks[0]["sharded_bit_mismatch"]
+    assert differing == [1]
+    assert tensor == "param:blocks.1.mlp.0.bias"
+    assert message.startswith(
+        "sharded model differs: the shards rank 1 holds differ from rank 0's copy of them, "
+        "first at 'param:blocks.1.mlp.0.bias' (sha256 "
+    )
+
+
+def test_sharded_rank0_failure_reaches_every_rank(ranks: list[dict[str, Any]]) -> None:
+    assert ranks[0]["sharded_rank0_failure"] == "ValueError: constructor failed on rank 0"
+    assert ranks[1]["sharded_rank0_failure"].startswith("RuntimeError: ranks [0] failed")

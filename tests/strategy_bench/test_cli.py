@@ -168,6 +168,19 @@ def test_run_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert row["comm_error"] <= 0.01, row
     assert "estimate vs measured:" in capsys.readouterr().out
     assert_png(estimated / "estimate.png")
+    # The init phase per source: "local" holds the whole model on every rank's host,
+    # "rank0" on rank 0's only; FSDP's device never holds the whole model (512 ranks).
+    init = {
+        (r["strategy"], r["world_size"]): r["init_peak_bytes"]
+        for r in estimate["rows"]
+        if not r["knobs"]
+    }
+    whole = init[("ddp", 2)]["local"]["device"]
+    for (strategy, _), peaks in init.items():
+        assert peaks["local"]["host_rank0"] == peaks["local"]["host_other"] == whole, strategy
+        assert peaks["rank0"]["host_rank0"] == whole and peaks["rank0"]["host_other"] == 0
+    assert init[("fsdp", 512)]["rank0"]["device"] < init[("fsdp", 2)]["rank0"]["device"] < whole
+    assert init[("fsdp", 512)]["local"]["device"] < whole
 
     compare = tmp_path / "compare"
     replot = ["plot", str(out / "results.json"), str(out / "results.json"), "--out", str(compare)]
@@ -402,8 +415,7 @@ def test_user_model_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
                 "--input-factory",
                 "bench_factories:make_batch",
             ],
-            "estimate builds the model on the meta device (no memory), and NeedsData(**{}) "
-            "failed there",
+            "the model is built on the meta device (no memory), and NeedsData(**{}) failed there",
         ),
         (
             ["sweep", "--device", "cpu", "--knobs", "warp_speed"],
@@ -631,7 +643,8 @@ def test_sweep_rows_budget_and_recommendation(tmp_path: Path) -> None:
 def test_kept_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Nothing measured is lost: a bad --out stops before any rank starts, an earlier run is
     not overwritten, an out-of-memory point is recorded and the run goes on, --resume adds
-    only the missing points."""
+    only the missing points. A model that fits only sharded is measured under FSDP and
+    recorded out of memory under DDP, in one run, and the verdict says so."""
     a_file = tmp_path / "file"
     a_file.write_text("x")
     # The refusals come before any rank starts: checked in-process.
@@ -643,16 +656,20 @@ def test_kept_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     out = tmp_path / "run"
     user = ["--model-factory", "bench_factories:oom_on_rank1"]
     user += ["--input-factory", "bench_factories:make_batch"]
-    done = bench("run", *QUICK, *user, "--strategies", "ddp", "--out", str(out))
-    assert done.returncode == 1, done.stderr  # nothing could be measured
+    done = bench("run", *QUICK, *user, "--strategies", "ddp", "fsdp", "--out", str(out))
+    assert done.returncode == 0, done.stderr  # an oom row is a finding, FSDP was measured
     first = json.loads((out / "results.json").read_text())
     assert first["schema"] == 2
-    (oom,) = first["results"]
+    oom, sharded = first["results"]
     assert (oom["model"], oom["strategy"], oom["status"]) == ("oom_on_rank1", "ddp", "oom")
     assert oom["failed_rank"] == 1 and oom["peak_mem_bytes"] > 0
     assert "OutOfMemoryError: CUDA out of memory" in oom["error"]
+    assert (sharded["strategy"], sharded["status"]) == ("fsdp", "ok")
+    assert sharded["flops_per_sample"] > 0  # counted without computing unsharded
     assert "ddp oom_on_rank1: out of memory at" in done.stdout
     assert "going on with the next point" in done.stderr
+    verdict = (out / "report.md").read_text()
+    assert "`oom_on_rank1`: only FSDP fits: DDP ran out of memory at " in verdict
 
     capsys.readouterr()
     assert exit_code(["run", *QUICK, "--models", "tiny", "--out", str(out)]) == 2
@@ -674,8 +691,8 @@ def test_kept_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     )
     assert more.returncode == 0, more.stderr
     rows = json.loads((out / "results.json").read_text())["results"]
-    assert rows[:1] == first["results"]  # kept as it was
-    assert [(r["model"], r["strategy"], r["status"]) for r in rows[1:]] == [("tiny", "ddp", "ok")]
+    assert rows[:2] == first["results"]  # kept as they were
+    assert [(r["model"], r["strategy"], r["status"]) for r in rows[2:]] == [("tiny", "ddp", "ok")]
     assert "1 configuration(s)" in more.stderr  # oom_on_rank1 ddp was there already
     assert "ddp oom_on_rank1: out of memory at" in more.stdout  # the table and report say so
     assert "out of memory" in (out / "report.md").read_text()

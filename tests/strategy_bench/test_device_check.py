@@ -24,7 +24,7 @@ def test_budget_is_kept_and_each_step_is_recorded(tmp_path: Path) -> None:
     assert summary["total_s"] <= 16 + 2
     assert not summary["ok"]
     names = [s["name"] for s in summary["steps"]]
-    assert names == ["probe", "tests", "bench"]
+    assert names == ["probe", "tests", "fsdp_init_memory", "bench"]
     for entry in summary["steps"]:
         assert entry["status"] in ("ok", "failed", "skipped")
         assert entry["seconds"] <= entry["limit_s"] + 6

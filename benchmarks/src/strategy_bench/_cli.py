@@ -22,7 +22,6 @@ from strategy_bench._estimate import (
     agreement,
     estimate_environment,
     estimate_points,
-    meta_model,
     peak_rss_bytes,
     run_estimate,
 )
@@ -466,7 +465,7 @@ def _estimate(args: argparse.Namespace) -> int:
     measured = [row for path in args.compare or () for row in _read_or_usage_error(path)["results"]]
     specs = _workloads(args, "cpu")
     for spec in specs:
-        meta_model(spec.build())  # fails here, as one line, if it cannot be built on meta
+        spec.build().meta_model()  # fails here, as one line, if it cannot be built on meta
     options = EstimateOptions(batch_size=args.batch_size, dtype=args.dtype)
     worlds = list(dict.fromkeys(args.world_size))
     points = estimate_points(

@@ -30,6 +30,7 @@ from strategy_bench import _wrappers
 from strategy_bench._accounting import account, autocast, local_bytes, parameter_counts
 from strategy_bench._compat import FakeTensorMode, fake_process_group
 from strategy_bench._errors import BenchUsageError, error_summary
+from strategy_bench._init_peak import ModelSizes, init_peaks
 from strategy_bench._kept import FAILED, OK, ok_rows
 from strategy_bench._knobs import micro_steps, prepare_blocks
 from strategy_bench._plan import WorkloadSpec
@@ -102,29 +103,6 @@ def estimate_points(
     ]
 
 
-def meta_model(workload: Workload) -> nn.Module:
-    """The workload's model on the meta device, with its trainable policy applied.
-
-    Raises:
-        BenchUsageError: If the factory cannot build the model on the meta device.
-    """
-    try:
-        with torch.device("meta"):
-            model = workload.factory(**workload.init_params)
-    except Exception as error:
-        raise BenchUsageError(
-            f"estimate builds the model on the meta device (no memory), and "
-            f"{workload.name}(**{dict(workload.init_params)}) failed there: "
-            f"{type(error).__name__}: {error}; keep its constructor free of data-dependent "
-            "work (.item(), numpy on parameters, loading weights)"
-        ) from None
-    if not isinstance(model, nn.Module):
-        raise BenchUsageError(
-            f"the model factory {workload.name!r} returned {type(model).__name__}, not an nn.Module"
-        )
-    return workload.with_trainable(model)
-
-
 def estimate_point(
     spec: WorkloadSpec, point: EstimatePoint, options: EstimateOptions
 ) -> dict[str, Any]:
@@ -162,11 +140,13 @@ def estimate_point(
 def _step(workload: Workload, point: EstimatePoint, options: EstimateOptions) -> dict[str, Any]:
     """Wrap and step the model as one rank of ``point.world_size`` ranks; read what it held."""
     with fake_process_group(point.world_size):
-        model = meta_model(workload)
+        model = workload.meta_model()
         counts = parameter_counts(model)
+        sizes = ModelSizes.of(model)  # before the wrap shards it
         prepare_blocks(model, point.knobs)
         if point.strategy == "fsdp":
             model = _wrappers.ours("fsdp", model, _CPU, point.knobs)
+        shards = local_bytes([*model.parameters(), *model.buffers()])
         optimizer = _local_optimizer(model.parameters())
         with FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device=_CPU)
@@ -183,6 +163,7 @@ def _step(workload: Workload, point: EstimatePoint, options: EstimateOptions) ->
     return {
         **counts,
         **out,
+        "init_peak_bytes": init_peaks(sizes, point.strategy, shards),
         "static_bytes": static,
         "total_bytes": static + out["activation_peak_bytes"],
     }

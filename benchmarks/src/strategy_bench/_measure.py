@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import gc
 import itertools
+import logging
 import statistics
 from collections.abc import Mapping
 from typing import Any
@@ -14,16 +15,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed_strategy import build_replicated_model, derive_seed
+from distributed_strategy import (
+    MemoryPeak,
+    build_replicated_model,
+    build_sharded_model,
+    derive_seed,
+)
 from strategy_bench import _wrappers
 from strategy_bench._accounting import account, accumulate, autocast, parameter_counts
 from strategy_bench._ckpt import checkpoint_cost
+from strategy_bench._compat import FakeTensorMode
 from strategy_bench._flops import count_step_flops
 from strategy_bench._knobs import micro_steps, prepare_blocks
 from strategy_bench._memory import PeakMemory
 from strategy_bench._plan import RunOptions
 from strategy_bench._timing import time_steps, timed_ms
 from strategy_bench._workload import Workload, training_optimizer
+
+logger = logging.getLogger(__name__)
 
 
 def measure(
@@ -74,49 +83,95 @@ class _Point:
 
 
 def _build(point: _Point, out: dict[str, Any]) -> nn.Module:
-    """Build the replica (``local`` and, for its timing, ``rank0``); apply the trainable policy."""
+    """Build the model where the pipeline starts from; time both sources; count the FLOPs.
+
+    DDP (the seed's path): a full replica on the device, ``source`` local and rank0. FSDP
+    never holds the whole model on the device: the model the point goes on with is the host
+    copy that ``source="local"`` builds on every rank (fsdp-wrap moves it unit by unit), and
+    ``source="rank0"`` is timed as the pipeline runs it (rank 0 builds on the host, the others
+    on meta, everyone shards, rank 0's tensors are streamed into the shards). Each source's
+    host (RSS growth) and device (allocator growth, CUDA) peaks are recorded.
+    """
     workload, options, device = point.workload, point.options, point.device
+    sharded = point.strategy == "fsdp"
     build: dict[str, Any] = {
         "model_cls": workload.factory,
         "init_params": dict(workload.init_params),
-        "device": device,
+        "device": torch.device("cpu") if sharded else device,
         "default_dtype": torch.float32,
         "seed": options.seed,
     }
-    with PeakMemory(torch.device("cpu")) as host:
+    with MemoryPeak(device) as peak:
         out["init_ms"], built = timed_ms(lambda: build_replicated_model(**build), device)
-    out["init_host_peak_bytes"] = host.peak - host.start
+    _record_init(out, "init", peak, device)
     model: nn.Module = built  # type: ignore[assignment]
-    with PeakMemory(torch.device("cpu")) as host:
-        out["init_rank0_ms"], other = timed_ms(
-            lambda: build_replicated_model(**build, source="rank0"), device
-        )
-    out["init_rank0_host_peak_bytes"] = host.peak - host.start
+    with MemoryPeak(device) as peak:
+        out["init_rank0_ms"], other = timed_ms(lambda: _build_rank0(point, build), device)
+    _record_init(out, "init_rank0", peak, device)
     del other
+    gc.collect()
     model = workload.with_trainable(model)
-    out["flops_per_sample"] = _count_flops(point, model)  # model FLOPs: no recompute
+    counted: list[float | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(counted, _count_flops(point))  # model FLOPs: no recompute
+    # Every rank takes the same path: the wrapped step's count (a collective) if any failed.
+    out["flops_per_sample"] = None if None in counted else counted[0]
     prepare_blocks(model, point.knobs)
     out.update(parameter_counts(model))
     return model
 
 
-def _count_flops(point: _Point, model: nn.Module) -> float:
-    """Training FLOPs per sample, counted over one forward and backward before the wrap.
+def _build_rank0(point: _Point, build: dict[str, Any]) -> nn.Module:
+    if point.strategy != "fsdp":
+        return build_replicated_model(**build, source="rank0")
+    device = point.device
 
-    That is what the wrapped step computes on every rank (the optimizer step is not counted).
+    def shard(model: nn.Module) -> nn.Module:
+        return _wrappers.ours("fsdp", model, device, point.knobs)
+
+    built = build_sharded_model(
+        **{**build, "device": device},
+        shard=shard,
+        source="rank0",
+        trainable=point.workload.with_trainable,
+        verify=False,
+    )
+    return built.module
+
+
+def _record_init(out: dict[str, Any], prefix: str, peak: MemoryPeak, device: torch.device) -> None:
+    out[f"{prefix}_host_peak_bytes"] = peak.host_growth
+    out[f"{prefix}_device_peak_bytes"] = peak.device_growth if device.type == "cuda" else None
+
+
+def _count_flops(point: _Point) -> float | None:
+    """Training FLOPs per sample: one forward and backward on fake tensors, never the device.
+
+    The model is built on the meta device and stepped on fake tensors (no memory, no real
+    compute), which is what the wrapped step computes on every rank (the optimizer step is not
+    counted). ``None`` when the model cannot run on fake tensors (its forward reads values);
+    the wrapped step is then counted instead (see :func:`_steps`).
     """
-    workload, options, device = point.workload, point.options, point.device
-    generator = torch.Generator().manual_seed(derive_seed(options.seed, "flops"))
-    batch = workload.make_batch(options.batch_size, device, generator)
+    workload, options = point.workload, point.options
+    try:
+        model = workload.meta_model()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device=_CPU)
+            generator = torch.Generator().manual_seed(derive_seed(options.seed, "flops"))
+            batch = workload.make_batch(options.batch_size, _CPU, generator)
 
-    def step() -> None:
-        with autocast(options.dtype, device):
-            loss = workload.loss(model, batch)
-        loss.backward()  # type: ignore[no-untyped-call]
+            def step() -> None:
+                with autocast(options.dtype, _CPU):
+                    loss = workload.loss(model, batch)
+                loss.backward()  # type: ignore[no-untyped-call]
 
-    flops = count_step_flops(step)
-    model.zero_grad(set_to_none=True)
+            flops = count_step_flops(step)
+    except Exception:  # data-dependent forwards: counted on the wrapped step instead
+        logger.debug("FLOPs of %s not countable on fake tensors", workload.name, exc_info=True)
+        return None
     return flops / options.batch_size
+
+
+_CPU = torch.device("cpu")
 
 
 def _wrap(
@@ -194,6 +249,9 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
         accumulate(wrapped, workload.loss, [next(cycle) for _ in range(micro)], compute)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    if out.get("flops_per_sample") is None:  # not countable on fake tensors: the real step
+        out["flops_per_sample"] = count_step_flops(step) / (options.batch_size * micro)
 
     with PeakMemory(device) as memory:
         out["step_ms"] = time_steps(step, steps=options.steps, warmup=options.warmup, device=device)

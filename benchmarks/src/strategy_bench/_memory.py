@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import types
 
 import torch
 
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def current_rss() -> int:
-    """Resident set size of this process in bytes (0 where ``/proc`` is unavailable)."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as statm:
-            return int(statm.read().split()[1]) * _PAGE
-    except OSError:  # pragma: no cover - not Linux
-        return 0
+from distributed_strategy import current_rss
 
 
 def memory_reached(device: torch.device) -> int | None:

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from strategy_bench._kept import describe_failure, describe_skipped, knob_text, ok_rows
+from strategy_bench._kept import OOM, describe_failure, describe_skipped, knob_text, ok_rows
 from strategy_bench._results import MEMORY_KINDS
 
 _MIB = 2**20
@@ -114,6 +114,14 @@ def verdict(ddp: Mapping[str, Any], fsdp: Mapping[str, Any]) -> str:
     """One model's verdict in measured figures (both rows at their default knobs)."""
     model = ddp["model"]
     failed = [row for row in (ddp, fsdp) if row.get("status", "ok") != "ok"]
+    if ddp.get("status") == OOM and fsdp.get("status", "ok") == "ok":
+        reached = ddp.get("peak_mem_bytes")
+        at = f" at {reached / 2**30:.2f} GiB" if reached else ""
+        return (
+            f"- `{model}`: only FSDP fits: DDP ran out of memory{at} (rank "
+            f"{ddp.get('failed_rank')}); FSDP ran at {fsdp['peak_mem_bytes'] / 2**30:.2f} GiB "
+            f"per rank ({fsdp['samples_per_s']:.1f} samples/s)."
+        )
     if failed:
         other = [row for row in (ddp, fsdp) if row not in failed]
         text = "; ".join(describe_failure(row) for row in failed)

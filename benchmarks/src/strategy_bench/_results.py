@@ -140,6 +140,10 @@ def merge_ranks(
         "init_rank0_ms": _max_or_none(per_rank, "init_rank0_ms"),
         "init_host_peak_per_rank": [r["init_host_peak_bytes"] for r in per_rank],
         "init_rank0_host_peak_per_rank": [r.get("init_rank0_host_peak_bytes") for r in per_rank],
+        "init_device_peak_per_rank": [r.get("init_device_peak_bytes") for r in per_rank],
+        "init_rank0_device_peak_per_rank": [
+            r.get("init_rank0_device_peak_bytes") for r in per_rank
+        ],
         "wrap_ms": wrap_ms,
         "raw_wrap_ms": raw_wrap_ms,
         "wrap_overhead": wrap_ms / raw_wrap_ms if raw_wrap_ms > 0 else None,

@@ -87,8 +87,18 @@ def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
         "activations",
         f"total {unit}",
         f"comm {unit}/step",
+        "init host r0/others, device: local | rank0",
     )
     lines: list[tuple[str, ...]] = [header]
+
+    def init(row: Mapping[str, Any]) -> str:
+        peaks = row.get("init_peak_bytes") or {}
+        return " | ".join(
+            f"{size(p['host_rank0'])}/{size(p['host_other'])}, {size(p['device'])}"
+            for p in (peaks.get(source) for source in ("local", "rank0"))
+            if p
+        )
+
     for row in rows:
         if row.get("status", OK) != OK:
             lines.append(
@@ -110,6 +120,7 @@ def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
                 size(row["activation_peak_bytes"]),
                 size(row["total_bytes"]),
                 " ".join(f"{kind} {size(value)}" for kind, value in comm.items()) or "-",
+                init(row) or "-",
             )
         )
     return _render(lines)

@@ -48,6 +48,30 @@ class Workload:
         result = self.trainable(model)
         return result if isinstance(result, nn.Module) else model
 
+    def meta_model(self) -> nn.Module:
+        """The model on the meta device (no memory), with its trainable policy applied.
+
+        What the estimate wraps and steps on fake tensors, and what ``run`` counts FLOPs on.
+
+        Raises:
+            BenchUsageError: If the factory cannot build the model on the meta device.
+        """
+        try:
+            with torch.device("meta"):
+                model = self.factory(**self.init_params)
+        except Exception as error:
+            raise BenchUsageError(
+                f"the model is built on the meta device (no memory), and "
+                f"{self.name}(**{dict(self.init_params)}) failed there: "
+                f"{type(error).__name__}: {error}; keep its constructor free of data-dependent "
+                "work (.item(), numpy on parameters, loading weights)"
+            ) from None
+        if not isinstance(model, nn.Module):
+            raise BenchUsageError(
+                f"the model factory {self.name!r} returned {type(model).__name__}, not an nn.Module"
+            )
+        return self.with_trainable(model)
+
 
 def preset_workload(name: str, *, seq_len: int | None = None) -> Workload:
     """The workload of a preset model size (``tiny``, ``small``, ``medium``, ``large``)."""

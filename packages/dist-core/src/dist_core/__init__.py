@@ -1,7 +1,7 @@
 """The rules every distributed-strategy stage shares, each defined once.
 
 What a device argument means, whether a process group is initialized, the checks before a
-data-parallel wrap, and what a model is wrapped in.
+data-parallel wrap, what a model is wrapped in, and how much memory a stage took.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dist_core._devices import (
     resolve_device,
 )
 from dist_core._group import is_distributed, log_rank0, rank, require_process_group, world_size
+from dist_core._memory import MemoryPeak, current_rss
 from dist_core._wrapped import (
     Strategy,
     fsdp_modules,
@@ -25,10 +26,12 @@ from dist_core._wrapped import (
 
 __all__ = [
     "DeviceLike",
+    "MemoryPeak",
     "Strategy",
     "accelerator_type",
     "check_forward_methods",
     "check_wrap_preconditions",
+    "current_rss",
     "fsdp_modules",
     "is_distributed",
     "log_rank0",

@@ -15,7 +15,12 @@ _MISSING = object()
 
 
 def check_wrap_preconditions(
-    module: object, device: object, *, wrapper: str, allow_meta: bool = False
+    module: object,
+    device: object,
+    *,
+    wrapper: str,
+    allow_meta: bool = False,
+    allow_host: bool = False,
 ) -> torch.device:
     """The reference checks before a data-parallel wrap, in the reference order.
 
@@ -24,7 +29,8 @@ def check_wrap_preconditions(
     3. At least one parameter requires grad (``ValueError``).
     4. An accelerator device names a concrete index (``ValueError``).
     5. Every parameter is on ``device`` (``ValueError`` naming the first that is not), or on
-       the meta device where ``allow_meta`` says the wrapper can shard it unmaterialized.
+       the meta device where ``allow_meta`` says the wrapper can shard it unmaterialized,
+       or on the CPU where ``allow_host`` says the wrapper moves it to ``device`` itself.
 
     Args:
         module: The module about to be wrapped.
@@ -32,6 +38,8 @@ def check_wrap_preconditions(
         wrapper: The caller's name, used in the messages.
         allow_meta: Accept parameters on the meta device (FSDP2's deferred initialization:
             shard first, then ``to_empty(device=...)`` and initialize the local shards).
+        allow_host: Accept parameters on the CPU when ``device`` is an accelerator (FSDP2
+            moves each unit to the device as it shards it, so only the shards stay there).
 
     Returns:
         The resolved ``torch.device``.
@@ -55,11 +63,16 @@ def check_wrap_preconditions(
     target = resolve_device(cast("DeviceLike", device))  # checks the type at run time
     require_device_index(target, caller=wrapper)
     for name, param in params:
-        if param.device != target and not (allow_meta and param.device.type == "meta"):
-            raise ValueError(
-                f"parameter '{name}' of {type(module).__name__} is on {param.device}, but "
-                f"device={str(target)!r}; move the model first (model.to({str(target)!r}))"
-            )
+        if param.device == target:
+            continue
+        if allow_meta and param.device.type == "meta":
+            continue
+        if allow_host and param.device.type == "cpu":
+            continue
+        raise ValueError(
+            f"parameter '{name}' of {type(module).__name__} is on {param.device}, but "
+            f"device={str(target)!r}; move the model first (model.to({str(target)!r}))"
+        )
     return target
 
 

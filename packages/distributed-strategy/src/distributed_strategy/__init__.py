@@ -22,10 +22,12 @@ from ddp_wrap import (
 )
 from dist_core import (
     DeviceLike,
+    MemoryPeak,
     Strategy,
     accelerator_type,
     check_forward_methods,
     check_wrap_preconditions,
+    current_rss,
     fsdp_modules,
     is_distributed,
     log_rank0,
@@ -49,10 +51,13 @@ from fsdp_wrap import (
 )
 from grad_sync import clip_grad_norm, no_sync
 from replica_init import (
+    BROADCAST_BUCKET_BYTES,
     ReplicaMismatchError,
+    ShardedModel,
     assert_replicas_identical,
     build_replicated_model,
     build_replicated_model_from_scratch,
+    build_sharded_model,
     model_fingerprint,
     state_fingerprint,
 )
@@ -81,6 +86,7 @@ from strategy_config import (
 )
 
 __all__ = [
+    "BROADCAST_BUCKET_BYTES",
     "BUILD_SOURCES",
     "DEFAULT_DISTRIBUTED_STRATEGY",
     "DTYPE_NAMES",
@@ -93,20 +99,24 @@ __all__ = [
     "DeviceLike",
     "DeviceRngState",
     "DistributedConfig",
+    "MemoryPeak",
     "ReplicaMismatchError",
     "RngState",
     "ShardPolicy",
+    "ShardedModel",
     "Strategy",
     "TrainablePolicy",
     "accelerator_type",
     "assert_replicas_identical",
     "build_replicated_model",
     "build_replicated_model_from_scratch",
+    "build_sharded_model",
     "capture_rng_state",
     "check_forward_methods",
     "check_wrap_preconditions",
     "clip_grad_norm",
     "consolidate_checkpoint",
+    "current_rss",
     "derive_seed",
     "did_you_mean",
     "fork_model_rng",

@@ -13,9 +13,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_wrap import wrap_module_ddp
-from dist_core import DeviceLike, log_rank0, require_process_group
+from dist_core import DeviceLike, MemoryPeak, log_rank0, require_process_group, resolve_device
 from fsdp_wrap import ShardPolicy, wrap_module_fsdp
-from replica_init import assert_replicas_identical, build_replicated_model
+from replica_init import (
+    assert_replicas_identical,
+    build_replicated_model,
+    build_sharded_model,
+)
 from strategy_config import DistributedConfig
 
 logger = logging.getLogger(__name__)
@@ -66,11 +70,20 @@ def prepare_model(
 ) -> nn.Module:
     """Build the model on every rank and wrap it for the configured strategy.
 
-    The pipeline: normalise ``config``; build the replica with replica-init (``source`` from
-    the argument, else from ``config.source``); apply ``trainable``; prove the replicas are
-    identical across ranks (``verify``); wrap with ddp-wrap (DDP options from the config) or
-    fsdp-wrap (FSDP options from the config); log one summary line on rank 0 with the time of
-    each stage.
+    The pipeline: normalise ``config``; build with replica-init (``source`` from the argument,
+    else from ``config.source``); apply ``trainable``; verify; wrap; log one summary line on
+    rank 0 with each stage's time and memory peaks (host RSS growth; on CUDA the device
+    allocator's peak).
+
+    - DDP (the seed's path): a full replica on every device (``build_replicated_model``),
+      proven identical across ranks, wrapped with ddp-wrap.
+    - FSDP: the whole model never reaches the device (``build_sharded_model``). Under
+      ``source="local"`` every rank builds it on the CPU and fsdp-wrap moves it to the device
+      unit by unit, keeping only this rank's shards; under ``"rank0"`` only rank 0 builds it
+      (on the CPU), the others build on the meta device, and rank 0's tensors are streamed
+      into everyone's shards one at a time. Verification then costs O(model / world) per
+      rank: each rank's shards are checked against a second rank's copy (see
+      ``build_sharded_model``).
 
     Args:
         model_cls: The model class or a factory returning an ``nn.Module``.
@@ -86,7 +99,8 @@ def prepare_model(
         forward_methods: Methods of the model that the trainer calls instead of ``forward``
             (MMAudio's ``ode_wrapper``): routed through DDP's forward, or registered with
             FSDP2 so that they gather the root's parameters.
-        verify: Check that every rank holds the same replica before wrapping.
+        verify: Check that every rank holds the same replica (DDP, before the wrap) or that
+            every rank's shards are the built model's (FSDP, after the wrap).
         source: ``"local"`` or ``"rank0"``; ``None`` takes ``config.source``.
         shard: FSDP's shard policy (see ``wrap_module_fsdp``); ignored for DDP.
 
@@ -110,47 +124,76 @@ def prepare_model(
             f"({trainable!r})"
         )
     names = tuple(forward_methods)
-    stages: dict[str, float] = {}
-    with _timed(stages, "build"):
-        model = build_replicated_model(
+    target = resolve_device(device)
+    stages = _Stages(target)
+    counted: dict[str, int] = {}
+
+    def policy(model: nn.Module) -> nn.Module:
+        model = _apply_trainable(model, trainable)
+        counted["total"] = sum(p.numel() for p in model.parameters())
+        counted["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return model
+
+    model_name = ""
+
+    def shard_it(model: nn.Module) -> nn.Module:
+        nonlocal model_name
+        model_name = type(model).__name__  # before FSDP2 swaps the class
+        return wrap_module_fsdp(
+            model, device=target, shard=shard, forward_methods=names, **settings.fsdp_options()
+        )
+
+    fingerprint: str | None = None
+    wrapped: nn.Module
+    if settings.is_ddp:  # the seed's path: a full replica on every device
+        with stages("build"):
+            model = build_replicated_model(
+                model_cls,
+                init_params,
+                device=target,
+                default_dtype=default_dtype,
+                seed=seed,
+                source=settings.source,
+            )
+        with stages("trainable"):
+            model = policy(model)
+        if verify:
+            with stages("verify"):
+                fingerprint = assert_replicas_identical(model)
+        model_name = type(model).__name__
+        with stages("wrap"):
+            wrapped = wrap_module_ddp(
+                model, device=target, forward_methods=names, **settings.ddp_options()
+            )
+    else:  # never the whole model on the device: built on the host (or meta), then sharded
+        built = build_sharded_model(
             model_cls,
             init_params,
-            device=device,
+            device=target,
             default_dtype=default_dtype,
             seed=seed,
+            shard=shard_it,
             source=settings.source,
+            trainable=policy,
+            verify=verify,
+            stage=stages,
         )
-    with _timed(stages, "trainable"):
-        model = _apply_trainable(model, trainable)
-    fingerprint = None
-    if verify:
-        with _timed(stages, "verify"):
-            fingerprint = assert_replicas_identical(model)
-    model_name = type(model).__name__  # before FSDP2 swaps the class
-    total = sum(p.numel() for p in model.parameters())
-    trainable_count = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    with _timed(stages, "wrap"):
-        wrapped: nn.Module
-        if settings.is_ddp:
-            wrapped = wrap_module_ddp(
-                model, device=device, forward_methods=names, **settings.ddp_options()
-            )
-        else:
-            wrapped = wrap_module_fsdp(
-                model, device=device, shard=shard, forward_methods=names, **settings.fsdp_options()
-            )
+        wrapped, fingerprint = built.module, built.fingerprint
     log_rank0(
         logger,
         logging.INFO,
-        "prepared %s for %s on %d rank(s): %d parameters, %d trainable, source=%s, replicas %s; %s",
+        "prepared %s for %s on %d rank(s): %d parameters, %d trainable, source=%s, %s %s; %s",
         model_name,
         settings.strategy.upper(),
         dist.get_world_size(),
-        total,
-        trainable_count,
+        counted["total"],
+        counted["trainable"],
         settings.source,
-        f"identical ({fingerprint[:12]})" if fingerprint else "not verified",
-        ", ".join(f"{stage} {seconds * 1e3:.1f} ms" for stage, seconds in stages.items()),
+        "replicas" if settings.is_ddp else "shards",
+        ("identical" if settings.is_ddp else "verified") + f" ({fingerprint[:12]})"
+        if fingerprint
+        else "not verified",
+        stages.summary(),
     )
     return wrapped
 
@@ -186,10 +229,33 @@ def _is_submodule(model: nn.Module, candidate: nn.Module) -> bool:
     return any(candidate is sub for sub in model.modules())
 
 
-@contextmanager
-def _timed(stages: dict[str, float], stage: str) -> Iterator[None]:
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        stages[stage] = time.perf_counter() - start
+class _Stages:
+    """Each stage's time and memory peaks (host RSS, device allocator), summed over entries."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._seconds: dict[str, float] = {}
+        self._host: dict[str, int] = {}
+        self._device_peak: dict[str, int] = {}
+
+    @contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        peak = MemoryPeak(self._device, interval=0.005)
+        try:
+            with peak:
+                yield
+        finally:
+            self._seconds[stage] = self._seconds.get(stage, 0.0) + time.perf_counter() - start
+            self._host[stage] = max(self._host.get(stage, 0), peak.host_growth)
+            self._device_peak[stage] = max(self._device_peak.get(stage, 0), peak.device_peak)
+
+    def summary(self) -> str:
+        """``build 12.3 ms (host +40.0 MiB), ...``; the device's peak where it keeps one."""
+        parts = []
+        for stage, seconds in self._seconds.items():
+            memory = f"host +{self._host[stage] / 2**20:.1f} MiB"
+            if self._device.type == "cuda":
+                memory += f", device peak {self._device_peak[stage] / 2**20:.1f} MiB"
+            parts.append(f"{stage} {seconds * 1e3:.1f} ms ({memory})")
+        return ", ".join(parts)

@@ -40,16 +40,23 @@ def wrap_module_fsdp(
     Applies ``fully_shard`` to each submodule that ``shard`` selects, children before parents,
     then to the root. The same precondition checks, in the same order and with the same
     errors, as ddp-wrap's ``wrap_module_ddp``: initialized process group, at least one
-    trainable parameter, a concrete CUDA index, every parameter on ``device`` (or, unlike
-    DDP, on the meta device: FSDP2's deferred initialization, shard first, then
-    ``to_empty(device=...)`` and initialize the local shards).
+    trainable parameter, a concrete CUDA index, every parameter on ``device``, except that
+    unlike DDP it also takes parameters
+
+    - on the CPU when ``device`` is an accelerator: each unit is moved to the device as it is
+      sharded (children before parents), so the device never holds more than this rank's
+      shards plus the one unit in transit, never the whole model;
+    - on the meta device: FSDP2's deferred initialization (shard first, then
+      ``to_empty(device=...)`` and fill the local shards, e.g. with replica-init's
+      ``build_sharded_model``).
 
     The returned module is the model itself (FSDP2 swaps its class for an ``FSDPModule``
     subclass): attributes and methods stay reachable. Its parameters become ``DTensor``
     shards; build the optimizer after this call.
 
     Args:
-        module: The model, already on ``device``, with its trainable policy applied.
+        module: The model, on ``device``, on the CPU or on the meta device, with its
+            trainable policy applied.
         device: This rank's device (``torch.device``, string, or CUDA index). For CUDA it
             must be the current device (``torch.cuda.set_device(local_rank)`` first).
         shard: Which submodules get their own FSDP unit: ``None`` for the default rule
@@ -78,7 +85,9 @@ def wrap_module_fsdp(
             a CUDA ``device`` that is not the current device; a mesh on another device type.
         AttributeError: If a forward method name is not a method of ``module``.
     """
-    target = check_wrap_preconditions(module, device, wrapper="wrap_module_fsdp", allow_meta=True)
+    target = check_wrap_preconditions(
+        module, device, wrapper="wrap_module_fsdp", allow_meta=True, allow_host=True
+    )
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
     policy = mixed_precision_policy(param_dtype, reduce_dtype)

@@ -1,17 +1,22 @@
-"""Bit-identical full model replicas on every rank, verified."""
+"""Bit-identical model replicas on every rank, whole or sharded, verified."""
 
 from __future__ import annotations
 
+from replica_init._broadcast import BROADCAST_BUCKET_BYTES
 from replica_init._build import build_replicated_model_from_scratch
 from replica_init._fingerprint import model_fingerprint, state_fingerprint
+from replica_init._sharded import ShardedModel, build_sharded_model
 from replica_init._source import build_replicated_model
 from replica_init._verify import ReplicaMismatchError, assert_replicas_identical
 
 __all__ = [
+    "BROADCAST_BUCKET_BYTES",
     "ReplicaMismatchError",
+    "ShardedModel",
     "assert_replicas_identical",
     "build_replicated_model",
     "build_replicated_model_from_scratch",
+    "build_sharded_model",
     "model_fingerprint",
     "state_fingerprint",
 ]

@@ -7,8 +7,9 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-BUCKET_BYTES = 128 * 2**20
-"""The largest packed buffer: each rank holds one such temporary copy at a time."""
+BROADCAST_BUCKET_BYTES = 128 * 2**20
+"""The largest packed buffer of a coalesced broadcast (``source="rank0"`` full replicas): each
+rank holds one such temporary copy at a time."""
 
 
 def broadcast_coalesced(
@@ -16,7 +17,7 @@ def broadcast_coalesced(
     *,
     src: int,
     group: dist.ProcessGroup | None = None,
-    bucket_bytes: int = BUCKET_BYTES,
+    bucket_bytes: int = BROADCAST_BUCKET_BYTES,
 ) -> None:
     """Overwrite ``tensors`` on every rank with rank ``src``'s values, bucket by bucket.
 

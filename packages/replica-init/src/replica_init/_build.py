@@ -55,10 +55,29 @@ def build_replicated_model_from_scratch(
     """
     params = check_build_arguments(model_cls, init_params, default_dtype)
     target = resolve_device(device)
-    with fork_model_rng(target, seed), _default_dtype(default_dtype), _cpu_construction():
+    model = construct_on_cpu(
+        model_cls, params, default_dtype=default_dtype, seed=seed, rng_device=target
+    )
+    return model.to(device=target)
+
+
+def construct_on_cpu(
+    model_cls: ModelFactory,
+    params: Mapping[str, Any],
+    *,
+    default_dtype: torch.dtype,
+    seed: int,
+    rng_device: torch.device,
+) -> nn.Module:
+    """The official construction (checked arguments): on CPU, seeded, in ``rng_device``'s fork.
+
+    The CPU generator and ``rng_device``'s are seeded as ``torch.manual_seed(seed)`` would,
+    and restored afterwards, like the default dtype, also when the constructor raises.
+    """
+    with fork_model_rng(rng_device, seed), _default_dtype(default_dtype), _cpu_construction():
         model = model_cls(**params)
     check_is_module(model_cls, model)
-    return model.to(device=target)
+    return model
 
 
 def build_on_meta(

@@ -28,10 +28,12 @@ def named_state_tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]
 
 def tensor_digests(module: nn.Module) -> list[tuple[str, str]]:
     """``(key, digest)`` for every parameter and buffer; the key holds name, dtype and shape."""
-    return [
-        (f"{name}|{tensor.dtype}|{tuple(tensor.shape)}", _tensor_digest(name, tensor))
-        for name, tensor in named_state_tensors(module)
-    ]
+    return [digest_entry(name, tensor) for name, tensor in named_state_tensors(module)]
+
+
+def digest_entry(name: str, tensor: torch.Tensor) -> tuple[str, str]:
+    """``(key, digest)`` of one tensor: the key holds its name, dtype and shape."""
+    return f"{name}|{tensor.dtype}|{tuple(tensor.shape)}", _tensor_digest(name, tensor)
 
 
 def combine(digests: list[tuple[str, str]]) -> str:
@@ -80,12 +82,7 @@ def state_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     Raises:
         ValueError: If a tensor is on the meta device.
     """
-    return combine(
-        [
-            (f"{name}|{tensor.dtype}|{tuple(tensor.shape)}", _tensor_digest(name, tensor))
-            for name, tensor in tensors
-        ]
-    )
+    return combine([digest_entry(name, tensor) for name, tensor in tensors])
 
 
 def _tensor_digest(name: str, tensor: torch.Tensor) -> str:

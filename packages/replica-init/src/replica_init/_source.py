@@ -65,12 +65,7 @@ def build_replicated_model(
         RuntimeError: If ``source="rank0"`` and the process group is not initialized.
         ReplicaMismatchError: If the ranks' model structures differ (``"rank0"``).
     """
-    if source not in BUILD_SOURCES:
-        raise ValueError(
-            f"source must be one of {{{', '.join(sorted(BUILD_SOURCES))}}}, got {source!r}; "
-            "use 'local' (every rank "
-            "constructs) or 'rank0' (rank 0 constructs and broadcasts)"
-        )
+    check_source(source)
     if source == "local":
         return build_replicated_model_from_scratch(
             model_cls, init_params, device=device, default_dtype=default_dtype, seed=seed
@@ -87,11 +82,11 @@ def build_replicated_model(
         else:
             params = check_build_arguments(model_cls, init_params, default_dtype)
             target = resolve_device(device)
-            model = _materialize(build_on_meta(model_cls, params, default_dtype), target)
+            model = materialize(build_on_meta(model_cls, params, default_dtype), target)
     except Exception as error:
         failure = error
     # Every rank reports, failed or not, so that no rank waits forever on one that raised.
-    _check_same_structure(model, failure, group)
+    check_same_structure(model, failure, group)
     assert model is not None
     src = 0 if group is None else dist.get_global_rank(group, 0)
     tensors = [tensor.data for _, tensor in named_state_tensors(model)]  # ties listed once
@@ -100,7 +95,16 @@ def build_replicated_model(
     return model
 
 
-def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
+def check_source(source: object) -> None:
+    """Raise ``ValueError`` unless ``source`` is a build source (``"local"``, ``"rank0"``)."""
+    if source not in BUILD_SOURCES:
+        raise ValueError(
+            f"source must be one of {{{', '.join(sorted(BUILD_SOURCES))}}}, got {source!r}; "
+            "use 'local' (every rank constructs) or 'rank0' (rank 0 constructs and sends)"
+        )
+
+
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
     """Allocate storage on ``device`` for a meta model, keeping tied parameters tied."""
     ties = _shared_tensors(model)
     model.to_empty(device=device)
@@ -122,9 +126,14 @@ def _shared_tensors(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [group for group in owners.values() if len(group) > 1]
 
 
-def _check_same_structure(
+def check_same_structure(
     model: nn.Module | None, failure: Exception | None, group: dist.ProcessGroup | None
 ) -> None:
+    """Collective: raise on every rank if any rank failed, or the ranks' structures differ.
+
+    Each rank reports its failure or its tensors' names, dtypes and shapes (meta tensors
+    included), so that a rank that raised leaves no other rank waiting in a later collective.
+    """
     if model is None or failure is not None:
         report: Any = f"{type(failure).__name__}: {failure}"
     else:

@@ -1,0 +1,90 @@
+"""FSDP's prepare_model from rank 0 on 2 gloo ranks: streamed into the shards (ours) against
+the path before it (a full replica broadcast to every rank, verified, then sharded)."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distributed_strategy import (
+    assert_replicas_identical,
+    build_replicated_model,
+    prepare_model,
+    wrap_module_fsdp,
+)
+from strategy_bench import PRESETS, BenchTransformer
+
+GROUP = "prepare_model: FSDP from rank0, streamed vs full replica first (2 ranks)"
+PARAMS = PRESETS["small"].init_params()
+ROUNDS = 8
+
+
+def _raw() -> None:
+    model = build_replicated_model(
+        BenchTransformer,
+        PARAMS,
+        device="cpu",
+        default_dtype=torch.float32,
+        seed=3,
+        source="rank0",
+    )
+    assert_replicas_identical(model)
+    wrap_module_fsdp(model, device="cpu")
+
+
+def _ours() -> None:
+    prepare_model(
+        BenchTransformer,
+        PARAMS,
+        config={"strategy": "fsdp", "source": "rank0"},
+        device="cpu",
+        default_dtype=torch.float32,
+        seed=3,
+    )
+
+
+def _rank(rank: int, store: str, queue: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, 2),
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        times: dict[str, list[float]] = {"raw": [], "ours": []}
+        sides = {"raw": _raw, "ours": _ours}
+        _raw(), _ours()  # warm-up
+        for index in range(ROUNDS):
+            for side in ("raw", "ours") if index % 2 == 0 else ("ours", "raw"):
+                dist.barrier()
+                begin = time.perf_counter()
+                sides[side]()
+                dist.barrier()  # the slowest rank's time
+                times[side].append(time.perf_counter() - begin)
+        queue.put(times if rank == 0 else None)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_prepare_fsdp_from_rank0(tmp_path: Any, record_interleaved: Any) -> None:
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    store = os.path.join(tmp_path, "store")
+    procs = [context.Process(target=_rank, args=(r, store, queue)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    results = [queue.get(timeout=300) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=30)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    (times,) = [r for r in results if r is not None]
+    record_interleaved(GROUP, times)

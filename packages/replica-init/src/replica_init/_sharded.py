@@ -1,0 +1,215 @@
+"""``build_sharded_model``: a sharded model on every rank, never whole on the device.
+
+For FSDP-style wrappers (torch's ``fully_shard``): the model is built where the whole of it
+fits (the host, or only rank 0's host), sharded unit by unit onto the device by the caller's
+``shard`` function, and, from rank 0, filled with rank 0's bits one tensor at a time through
+torch's own ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from dist_core import DeviceLike, require_current_device, require_process_group, resolve_device
+from replica_init._broadcast import broadcast_coalesced
+from replica_init._build import (
+    ModelFactory,
+    build_on_meta,
+    check_build_arguments,
+    check_is_module,
+    construct_on_cpu,
+)
+from replica_init._shards import assert_shards_identical, reference_digests
+from replica_init._source import check_same_structure, check_source, materialize
+
+logger = logging.getLogger(__name__)
+
+StageContext = Callable[[str], contextlib.AbstractContextManager[object]]
+"""Called with a stage's name (``build``, ``trainable``, ``wrap``, ``load``, ``verify``)
+around that stage's work: a hook for timing it or measuring its memory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedModel:
+    """What :func:`build_sharded_model` built.
+
+    Attributes:
+        module: The sharded model (what ``shard`` returned).
+        fingerprint: The digest of every rank's verified shards, in rank order (the same on
+            every rank), or ``None`` when not verified. It identifies the sharded layout
+            too, so it differs from :func:`model_fingerprint` of the whole model.
+    """
+
+    module: nn.Module
+    fingerprint: str | None
+
+
+def build_sharded_model(
+    model_cls: ModelFactory,
+    init_params: Mapping[str, Any] | None,
+    *,
+    device: DeviceLike,
+    default_dtype: torch.dtype,
+    seed: int,
+    shard: Callable[[nn.Module], nn.Module],
+    source: str = "local",
+    trainable: Callable[[nn.Module], nn.Module] | None = None,
+    verify: bool = True,
+    stage: StageContext | None = None,
+) -> ShardedModel:
+    """Build the model sharded across the default group's ranks, bit-identical to the seed's.
+
+    The whole model is never placed on ``device``:
+
+    - ``source="local"``: every rank constructs the whole model on the CPU under the seed
+      (host memory: one model per rank), then ``shard`` moves it to ``device`` unit by unit
+      (``fully_shard`` keeps only this rank's shards of each unit there).
+    - ``source="rank0"``: rank 0 constructs on the CPU, the other ranks build the structure on
+      the meta device (host memory: one model, on rank 0 only). Every rank shards its model;
+      the other ranks allocate only their shards (``to_empty``), and rank 0's tensors are
+      streamed into everyone's shards one tensor at a time by torch's
+      ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``.
+      Non-persistent buffers (not in a state dict) are broadcast from rank 0 after it.
+      Tied parameters stay tied.
+
+    Either way the full state equals ``torch.manual_seed(seed);
+    torch.set_default_dtype(default_dtype); model_cls(**init_params)`` bit for bit, and the
+    process's RNG streams and default dtype are left as they were.
+
+    Verification (``verify``) costs O(model / world) per rank and gathers no tensor: every
+    rank hashes (sha256) its local part of every tensor after sharding (its dim-0 shard of
+    each parameter, each buffer whole), and a second rank hashes the same part of its own
+    whole copy before sharding: under ``"local"`` rank ``r - 1`` referees rank ``r``'s shards
+    from its independent build; under ``"rank0"`` rank 0 referees every other rank's shards
+    from the model it built (rank 0 hashes the others' parts of the model once). Only the
+    digests are gathered.
+    A mismatch (different builds, a corrupted transfer, different structures) raises
+    :class:`ReplicaMismatchError` on every rank, naming the ranks and the first tensor.
+
+    Args:
+        model_cls: A model class, or a factory returning an ``nn.Module``; under
+            ``"rank0"`` it must be constructible on the meta device.
+        init_params: Keyword arguments for ``model_cls``, or ``None``.
+        device: This rank's device (``torch.device``, string, or CUDA index); for CUDA the
+            current device.
+        default_dtype: The floating default dtype during construction.
+        seed: The construction seed, the same on every rank.
+        shard: Shards the model in place and returns it, e.g.
+            ``functools.partial(wrap_module_fsdp, device=device)``: it receives a model whose
+            parameters are on the CPU (``"local"``, and rank 0 under ``"rank0"``) or on the
+            meta device (the other ranks under ``"rank0"``) and must leave each parameter a
+            ``DTensor`` sharded on dim 0 over the default group, as ``fully_shard`` does.
+        source: ``"local"`` or ``"rank0"``.
+        trainable: Applied to the built model before sharding (the trainer's trainable
+            policy); returns the model to shard.
+        verify: Check every rank's shards against a second rank's copy (see above).
+        stage: A context factory wrapped around each stage (``build``, ``trainable``,
+            ``verify``, ``wrap``, ``load``; ``verify`` may be entered twice).
+
+    Returns:
+        A :class:`ShardedModel`: the sharded module and the verified fingerprint.
+
+    Raises:
+        RuntimeError: If the default process group is not initialized, or a rank failed to
+            build the model (every rank raises, naming the failing ranks).
+        TypeError, ValueError: Bad arguments, as for :func:`build_replicated_model`; a
+            ``shard`` that is not callable or does not return a module.
+        ReplicaMismatchError: If the ranks' structures or shards differ.
+    """
+    check_source(source)
+    require_process_group("build_sharded_model", instead="or build a full replica")
+    params = check_build_arguments(model_cls, init_params, default_dtype)
+    target = resolve_device(device)
+    require_current_device(target, caller="build_sharded_model")
+    if not callable(shard):
+        raise TypeError(
+            f"shard must be a callable that shards the model and returns it (e.g. "
+            f"functools.partial(wrap_module_fsdp, device=...)), got {type(shard).__name__}"
+        )
+    around = stage or _no_stage
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model: nn.Module | None = None
+    failure: Exception | None = None
+    try:
+        with around("build"):
+            if source == "local" or rank == 0:
+                model = construct_on_cpu(
+                    model_cls, params, default_dtype=default_dtype, seed=seed, rng_device=target
+                )
+            else:
+                model = build_on_meta(model_cls, params, default_dtype)
+        if trainable is not None:
+            with around("trainable"):
+                model = trainable(model)
+                check_is_module(trainable, model)
+    except Exception as error:
+        failure = error
+    # Every rank reports, failed or not, so that no rank waits forever on one that raised.
+    check_same_structure(model, failure, None)
+    assert model is not None
+    full: dict[str, torch.Tensor] | None = None
+    if source == "rank0" and rank == 0:
+        full = model.state_dict()  # detached references, no copy: sharding replaces the params
+    references: dict[int, list[tuple[str, str]]] = {}
+    if verify:
+        with around("verify"):
+            # rank0: rank 0 referees the others (its own shards are cut from its own model).
+            referees = range(1, world) if source == "rank0" else [(rank + 1) % world]
+            if source == "local" or rank == 0:
+                references = reference_digests(model, referees, world)
+    with around("wrap"):
+        sharded = shard(model)
+        check_is_module(shard, sharded)
+    del model
+    if source == "rank0":
+        with around("load"):
+            _load_from_rank0(sharded, full, target)
+        del full
+    fingerprint = None
+    if verify:
+        with around("verify"):
+            fingerprint = assert_shards_identical(sharded, references)
+    logger.debug("sharded model built (source=%s, %d ranks, verified=%s)", source, world, verify)
+    return ShardedModel(sharded, fingerprint)
+
+
+def _load_from_rank0(
+    model: nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device
+) -> None:
+    """Fill the other ranks' (meta) shards with rank 0's tensors, streamed one at a time."""
+    if dist.get_rank() != 0:
+        materialize(model, device)
+    state: dict[str, Any] = dict(full) if full is not None else {}
+    set_model_state_dict(
+        model,
+        state,
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True),
+    )
+    buffers = _nonpersistent_buffers(model)
+    if buffers:  # in no state dict: rank 0 sends its own (moved, not changed, by the shard)
+        broadcast_coalesced([b.data for b in buffers], src=0)
+
+
+def _nonpersistent_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The buffers a state dict leaves out, each once, in name order (the same on every rank)."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    for prefix, module in model.named_modules():
+        for name in sorted(module._non_persistent_buffers_set):
+            buffer = module._buffers.get(name)
+            if buffer is not None and id(buffer) not in found:
+                found[id(buffer)] = (f"{prefix}.{name}" if prefix else name, buffer)
+    return [buffer for _, buffer in sorted(found.values(), key=lambda item: item[0])]
+
+
+@contextlib.contextmanager
+def _no_stage(name: str) -> Any:
+    yield
