@@ -1,34 +1,48 @@
 #!/usr/bin/env bash
-# One prepared device check, from the source tree: the CUDA/NCCL tests first, the CUDA
-# benchmark second. Everything it writes goes under $OUT (default ./device-results):
-#     probe.log, tests.log, tests.xml, fsdp_init_memory.log, bench.log,
-#     bench/ (results.json, plots), summary.json
+# One prepared device check, from the source tree: a probe, the CUDA/NCCL tests, FSDP's init
+# memory, the CUDA benchmark, a short knob sweep and a single-process clip/save/load.
 #
 # For a GPU machine without nox or network (torch, matplotlib, pytest and numpy preinstalled):
 #     OUT=/somewhere bash benchmarks/device_check.sh
 # Checked on CPU with DEVICE=cpu, which runs the same steps (the CUDA tests skip, saying why;
 # the bench runs the tiny preset on gloo).
 #
-# The whole script fits BUDGET seconds (default 540, under the 600 s one command may run on
-# the lent machine): each step gets at most its own cap and never more than what is left.
-# summary.json records every step's exit status and wall time; the script exits 1 if any
-# step failed (a step's status is its own command's, never a pipe's last).
+# What comes back: the device tool returns at most 8 files, 2 folders down. $OUT ends with
+#     summary.json   every step's exit status and wall time
+#     results.json   the benchmark's rows (unpacked)        report.md  its report
+#     bench.tar.gz   the benchmark's folder (plots, report, results)
+#     logs.tar.gz    every step's log, tests.xml, the sweep's folder
+#
+# The whole script fits BUDGET seconds (default 400, so that a 600 s command leaves room for
+# the machine's start and a rerun): each step gets at most its own cap and never more than
+# what is left. The script exits 1 if any step failed (a step's status is its own command's,
+# never a pipe's last).
+#
+# At one GPU every run is world size 1: FSDP2 issues no collective and DDP's all-reduce of one
+# rank moves nothing, so NCCL's all-gather and reduce-scatter are not exercised and no
+# communication is measured. On a host with 2 or more GPUs, the 2-rank NCCL variants of the
+# tests run with the same `tests` step, and the bench uses every visible GPU.
 set -u
 cd "$(dirname "$0")/.."
 out="${OUT:-device-results}"
 device="${DEVICE:-cuda}"
-budget="${BUDGET:-540}"
+budget="${BUDGET:-400}"
+py="${PYTHON:-python3}"
+command -v "$py" > /dev/null 2>&1 || py=python
 mkdir -p "$out"
+work="$out/.work"
+rm -rf "$work"
+mkdir -p "$work"
 src=""
 for dir in packages/*/src benchmarks/src; do src="$src:$PWD/$dir"; done
 export PYTHONPATH="${src#:}:$PWD/tests/_support:$PWD/benchmarks/microbench:$PWD/docs/examples"
-export PYTHONUNBUFFERED=1
-steps_file="$out/.steps"
+export PYTHONUNBUFFERED=1 DEVICE="$device"
+steps_file="$work/steps.tsv"
 : > "$steps_file"
 start=$SECONDS
 
-# step NAME CAP_S COMMAND...: run COMMAND with its output in $out/NAME.log, for at most
-# min(CAP_S, what is left of the budget minus a reserve for the summary).
+# step NAME CAP_S COMMAND...: run COMMAND with its output in $work/NAME.log, for at most
+# min(CAP_S, what is left of the budget minus a reserve for the summary and the packing).
 step() {
   local name="$1" cap="$2"
   shift 2
@@ -41,49 +55,106 @@ step() {
   fi
   echo "== $name (at most ${limit} s)"
   local t0=$SECONDS
-  STEP_LIMIT="$limit" timeout --kill-after=5 "$limit" "$@" > "$out/$name.log" 2>&1
+  STEP_LIMIT="$limit" timeout --kill-after=5 "$limit" "$@" > "$work/$name.log" 2>&1
   local rc=$?
   local took=$((SECONDS - t0))
-  tail -n 15 "$out/$name.log"
+  tail -n 15 "$work/$name.log"
   echo "== $name: exit $rc after ${took} s"
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$took" "$limit" >> "$steps_file"
 }
 
-step probe 60 python - <<'PY'
+# The device, and on CUDA a 1-rank NCCL all_reduce and barrier under a 30 s timeout, so that an
+# NCCL bootstrap failure is one clear line instead of a hang in every later step.
+step probe 60 "$py" - <<'PY'
+import datetime
+import os
 import torch
 import torch.distributed as dist
 print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)
     print(f"cuda:{i}", p.name, f"{p.total_memory / 2**30:.0f} GiB", f"sm{p.major}{p.minor}")
-print("nccl", dist.is_nccl_available() and torch.cuda.nccl.version())
+if os.environ["DEVICE"] == "cuda":
+    print("nccl", dist.is_nccl_available() and torch.cuda.nccl.version())
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30),
+                            device_id=torch.device("cuda", 0))
+    x = torch.ones(4, device="cuda")
+    dist.all_reduce(x)
+    dist.barrier()
+    torch.cuda.synchronize()
+    print("nccl all_reduce and barrier on 1 rank: ok", x.tolist())
+    dist.destroy_process_group()
 PY
 
 # Every test that needs a GPU: the cuda-marked ones, and the NCCL variants (1-rank runs of
-# every package's multi-rank worker on one GPU; the 2-rank ones where 2 GPUs are visible).
-step tests 240 python -m pytest -q -rs -p no:cacheprovider --junitxml="$out/tests.xml" \
-  tests -k "cuda or nccl"
+# every package's worker on one GPU, with their values checked; the 2-rank ones where 2 GPUs
+# are visible).
+step tests 120 "$py" -m pytest -q -rs -p no:cacheprovider -W default::DeprecationWarning \
+  --junitxml="$work/tests.xml" tests -k "cuda or nccl"
 
 # FSDP from rank 0 never holds the whole model on the device: the allocator's peak during
 # prepare_model stays within this rank's shards + the largest unit + 10% (a 1.6 GiB model).
 fsdp_width=4096
 if [ "$device" = cpu ]; then fsdp_width=512; fi
-step fsdp_init_memory 60 python benchmarks/fsdp_init_memory.py --device "$device" \
+step fsdp_init_memory 60 "$py" benchmarks/fsdp_init_memory.py --device "$device" \
   --width "$fsdp_width" --depth 12
+
+# A single process without a group: clip, save, load on the device (the trainer's
+# one-GPU debugging run).
+step single_process 45 "$py" - <<'PY'
+import os
+import tempfile
+import torch
+from distributed_strategy import clip_grad_norm, load_checkpoint, save_checkpoint
+device = torch.device(os.environ["DEVICE"])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)).to(device)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model(torch.randn(8, 64, device=device)).pow(2).mean().backward()
+norm = clip_grad_norm(model, 0.5)
+assert torch.isfinite(norm) and norm > 0, norm
+optimizer.step()
+before = {k: v.clone() for k, v in model.state_dict().items()}
+with tempfile.TemporaryDirectory() as folder:
+    save_checkpoint(f"{folder}/ckpt", model, optimizer, step=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    info = load_checkpoint(f"{folder}/ckpt", model, optimizer)
+assert info.step == 1
+assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+print(f"single process on {device}: clip norm {float(norm):.4f}, save and load exact")
+PY
 
 models="${MODELS:-small large}"
 dtype="${DTYPE:-bf16}"
+steps="${STEPS:-10}"
 if [ "$device" = cpu ]; then
   models="${MODELS:-tiny}"
   dtype="${DTYPE:-fp32}"
+  steps="${STEPS:-5}"
 fi
 # shellcheck disable=SC2086  # $models is a list of names
-step bench 300 bash -c 'python -m strategy_bench run --device "$0" --models $1 --dtype "$2" \
-  --strategies ddp fsdp --steps "${STEPS:-20}" --warmup 5 --out "$3" \
+step bench 200 bash -c '"$0" -m strategy_bench run --device "$1" --models $2 --dtype "$3" \
+  --strategies ddp fsdp --steps "$4" --warmup 3 --out "$5" --overwrite \
   --timeout "$((STEP_LIMIT > 30 ? STEP_LIMIT - 10 : STEP_LIMIT))"' \
-  "$device" "$models" "$dtype" "$out/bench"
+  "$py" "$device" "$models" "$dtype" "$steps" "$work/bench"
 
-python - "$steps_file" "$out/summary.json" "$device" "$budget" "$((SECONDS - start))" <<'PY'
+# The step knobs on the device: compile (inductor/Triton), activation checkpointing and
+# gradient accumulation, on the smallest preset. (On a 2-core CPU, inductor's C++ build of one
+# point takes longer than the whole step, so the CPU check leaves compile out.)
+sweep_model=small
+knobs="compile activation_checkpointing grad_accum"
+if [ "$device" = cpu ]; then sweep_model=tiny knobs="activation_checkpointing grad_accum"; fi
+# shellcheck disable=SC2086  # $knobs is a list of names
+step sweep 90 bash -c '"$0" -m strategy_bench sweep --device "$1" --models "$2" --dtype "$3" \
+  --knobs $4 --steps 3 --warmup 2 --out "$5" \
+  --overwrite --timeout "$((STEP_LIMIT > 30 ? STEP_LIMIT - 10 : STEP_LIMIT))"' \
+  "$py" "$device" "$sweep_model" "$dtype" "$knobs" "$work/sweep"
+
+"$py" - "$steps_file" "$out/summary.json" "$device" "$budget" "$((SECONDS - start))" <<'PY'
 import json
 import sys
 
@@ -97,7 +168,7 @@ for line in open(steps_file, encoding="utf-8"):
         "exit_code": None if rc == "skipped" else int(rc),
         "seconds": int(seconds),
         "limit_s": int(limit),
-        "log": f"{name}.log",
+        "log": f"logs.tar.gz:{name}.log",
     })
 ok = all(s["status"] == "ok" for s in steps)
 payload = {"device": device, "budget_s": int(budget), "total_s": int(total), "ok": ok,
@@ -109,5 +180,13 @@ print(json.dumps(payload, indent=2))
 sys.exit(0 if ok else 1)
 PY
 status=$?
+
+# Pack what does not come back one by one: at most 8 files in $out, the two JSONs unpacked.
 rm -f "$steps_file"
+for name in results.json report.md; do
+  if [ -f "$work/bench/$name" ]; then cp "$work/bench/$name" "$out/$name"; fi
+done
+if [ -d "$work/bench" ]; then tar -czf "$out/bench.tar.gz" -C "$work" bench; fi
+(cd "$work" && tar -czf ../logs.tar.gz --exclude=bench ./*)
+rm -rf "$work"
 exit $status

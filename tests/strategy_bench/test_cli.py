@@ -677,6 +677,8 @@ def test_kept_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "already holds results" in refused and "--resume" in refused
     assert json.loads((out / "results.json").read_text()) == first
 
+    # Rank 1 aborts (SIGABRT, as a C++ std::terminate at teardown) after each complete
+    # point: the measured row is kept with teardown_error, and the exit code stays 0.
     more = bench(
         "run",
         *QUICK,
@@ -688,12 +690,37 @@ def test_kept_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
         "--resume",
         "--out",
         str(out),
+        env={"STRATEGY_BENCH_TEST_ABORT_AT_EXIT": "1"},
     )
     assert more.returncode == 0, more.stderr
     rows = json.loads((out / "results.json").read_text())["results"]
     assert rows[:2] == first["results"]  # kept as they were
     assert [(r["model"], r["strategy"], r["status"]) for r in rows[2:]] == [("tiny", "ddp", "ok")]
+    assert rows[2]["step_ms_median"] > 0
+    teardown = "rank 1 failed at teardown: exited with code -6 without a traceback"
+    assert rows[2]["teardown_error"] == teardown
+    assert (
+        f"strategy-bench: warning: [1/1] ddp tiny was measured in full, then {teardown}; the "
+        "measured row is kept"
+    ) in more.stderr
+    assert f"- ddp tiny: {teardown}" in (out / "report.md").read_text()
     assert "1 configuration(s)" in more.stderr  # oom_on_rank1 ddp was there already
     assert "ddp oom_on_rank1: out of memory at" in more.stdout  # the table and report say so
     assert "out of memory" in (out / "report.md").read_text()
     assert_png(out / "throughput.png")  # the plots show the measured points
+
+
+@pytest.mark.multiprocess
+def test_every_rank_exits_0_run_after_run(tmp_path: Path) -> None:
+    """Ranks that measured a point in full exit 0, run after run: a rank once aborted at
+    teardown ("terminate called without an active exception", exit -6) and its complete
+    point was recorded failed. (A rank that still fails after its point's results were
+    written is tested in test_kept_results.)"""
+    for attempt in range(2):
+        out = tmp_path / f"run{attempt}"
+        done = bench("run", *QUICK, "--models", "tiny", "--out", str(out))
+        assert done.returncode == 0, done.stderr
+        assert "failed" not in done.stderr and "terminate called" not in done.stderr
+        rows = json.loads((out / "results.json").read_text())["results"]
+        assert [(r["strategy"], r["status"]) for r in rows] == [("ddp", "ok"), ("fsdp", "ok")]
+        assert not any("teardown_error" in r for r in rows)

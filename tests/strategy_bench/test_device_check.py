@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tarfile
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "device_check.sh"
@@ -24,10 +25,18 @@ def test_budget_is_kept_and_each_step_is_recorded(tmp_path: Path) -> None:
     assert summary["total_s"] <= 16 + 2
     assert not summary["ok"]
     names = [s["name"] for s in summary["steps"]]
-    assert names == ["probe", "tests", "fsdp_init_memory", "bench"]
+    assert names == ["probe", "tests", "fsdp_init_memory", "single_process", "bench", "sweep"]
+    with tarfile.open(tmp_path / "logs.tar.gz") as logs:
+        packed = {Path(name).name for name in logs.getnames()}
     for entry in summary["steps"]:
         assert entry["status"] in ("ok", "failed", "skipped")
         assert entry["seconds"] <= entry["limit_s"] + 6
         if entry["status"] != "skipped":
-            assert (tmp_path / entry["log"]).exists()
+            assert entry["log"] == f"logs.tar.gz:{entry['name']}.log"
+            assert f"{entry['name']}.log" in packed
     assert summary["steps"][-1]["status"] == "skipped"  # the budget was spent
+    # What comes back from the device tool: at most 8 files, summary.json unpacked.
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) <= 8, files
+    assert all(p.parent == tmp_path for p in files)
+    assert {"summary.json", "logs.tar.gz"} <= {p.name for p in files}

@@ -77,6 +77,7 @@ def test_each_cold_wrap_gets_a_new_group_that_is_destroyed() -> None:
         assert sorted(result["destroyed"]) == sorted(result["made"])
         assert len(result["cold"]) == COLD_SAMPLES
         assert result["ckpt_bytes"] > 0  # DTensor collectives after the groups were made
+        assert result["live_at_step"] == [1]  # the step's model; every wrap copy freed
 
 
 def test_counted_flops_agree_with_the_preset_formula() -> None:
@@ -212,3 +213,56 @@ def test_agreement_flags_each_kind_beyond_its_tolerance() -> None:
         assert not row["ok"], change
     other_ranks = {**measured, "world_size": 4}
     assert agreement([other_ranks], [measured]) == []  # only the world sizes measured
+
+
+def test_one_rank_runs_name_no_communication_winner(tmp_path: Any) -> None:
+    """At world size 1 nothing is communicated: the verdict says what the ratio is and names
+    no winner; report.md says what is compared."""
+    from strategy_bench._report import ONE_RANK_NOTE, verdict, write_report
+
+    def row(strategy: str, samples: float) -> dict[str, Any]:
+        return {
+            "model": "small",
+            "strategy": strategy,
+            "knobs": {},
+            "world_size": 1,
+            "status": "ok",
+            "samples_per_s": samples,
+            "param_bytes": 2**20,
+            "grad_bytes": 2**20,
+            "optimizer_bytes": 2**21,
+            "ddp_bucket_bytes": 2**20 if strategy == "ddp" else 0,
+            "activation_peak_bytes": 0,
+            "step_ms_median": 1.0,
+            "step_ms_p10": 1.0,
+            "step_ms_p90": 1.0,
+        }
+
+    ddp, fsdp = row("ddp", 100.0), row("fsdp", 80.0)
+    text = verdict(ddp, fsdp)
+    assert text.startswith("- `small` at 1 rank: FSDP ran at 0.80x DDP's throughput")
+    assert "no winner named" in text and "wins" not in text
+    assert "static memory 4.0 vs 5.0 MiB" in text  # DDP's buckets count as static memory
+    env = {"device": "cuda", "backend": "nccl", "world_size": 1, "options": {}}
+    report = write_report(tmp_path, {"env": env, "results": [ddp, fsdp]}, []).read_text()
+    assert ONE_RANK_NOTE in report and "no strategy wins on it" in report
+
+
+@pytest.mark.multiprocess
+def test_checkpoint_cost_keeps_one_checkpoint_and_records_failures() -> None:
+    """One checkpoint on disk at a time (the raw save is gone before ours is written); too
+    little free disk skips the measurement with the reason; a failing save is recorded as
+    ``ckpt_error`` instead of failing the point."""
+    from bench_workers import checkpoint_cost_cases
+
+    (result,) = run_ranks(checkpoint_cost_cases, world_size=1)
+    assert result["seen_at_ours"] == [[], []]  # neither raw nor an earlier ours left
+    for raw_first in (True, False):
+        out = result[f"normal_{raw_first}"]
+        assert out["ckpt_bytes"] > 0 and "ckpt_error" not in out
+        assert min(out["ckpt_save_ms"], out["raw_ckpt_save_ms"], out["ckpt_load_ms"]) > 0
+    failed = result["failed"]
+    assert failed["ckpt_error"] == "OSError: [Errno 28] No space left on device"
+    assert "ckpt_save_ms" not in failed and "ckpt_load_ms" not in failed
+    skipped = result["small_disk"]["ckpt_error"]
+    assert skipped.startswith("skipped: ") and "point TMPDIR at a larger disk" in skipped

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed_strategy import no_sync
@@ -84,6 +85,26 @@ def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         total += local.numel() * local.element_size()
     return int(total)
+
+
+def ddp_bucket_bytes(model: nn.Module, *, as_view: bool | None = None) -> int:
+    """DDP's reducer buckets: a flat copy of every trainable gradient, all-reduced in place.
+
+    With ``gradient_as_bucket_view`` the gradients are views into the buckets (counted once,
+    as ``grad_bytes``), so the buckets add nothing. ``0`` for anything but DDP.
+
+    Args:
+        model: A DDP wrapper; or, with ``as_view`` given, the bare model DDP would wrap (the
+            estimate's case).
+        as_view: DDP's ``gradient_as_bucket_view``; ``None`` reads it from the wrapper.
+    """
+    if as_view is None:
+        if not isinstance(model, DistributedDataParallel):
+            return 0
+        as_view = bool(model.gradient_as_bucket_view)
+    if as_view:
+        return 0
+    return local_bytes(p for p in model.parameters() if p.requires_grad)
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:
@@ -177,8 +198,8 @@ def account(
     function measures a real step (``run``) and a step on fake tensors (``estimate``).
 
     Returns:
-        ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``activation_peak_bytes``,
-        ``comm_bytes_per_step`` and ``comm_calls_per_step``.
+        ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``ddp_bucket_bytes``,
+        ``activation_peak_bytes``, ``comm_bytes_per_step`` and ``comm_calls_per_step``.
     """
     optimizer.zero_grad(set_to_none=True)
     peak = [0]
@@ -196,6 +217,7 @@ def account(
         "optimizer_bytes": optimizer_bytes(optimizer),
         "activation_peak_bytes": peak[0],
         "grad_bytes": local_bytes(p.grad for p in model.parameters()),
+        "ddp_bucket_bytes": ddp_bucket_bytes(model),
         "comm_bytes_per_step": dict(comm.bytes),
         "comm_calls_per_step": dict(comm.calls),
     }

@@ -14,6 +14,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from distributed_strategy import load_checkpoint, save_checkpoint
+from strategy_bench._accounting import local_bytes
+from strategy_bench._errors import error_summary
 from strategy_bench._timing import timed_ms
 
 
@@ -27,43 +29,94 @@ def checkpoint_cost(
 ) -> None:
     """Time a checkpoint-io save beside a raw ``get_state_dict`` + ``dcp.save``, then a load.
 
-    One save each, in the order ``raw_first`` says (alternate it between points).
+    One save each, in the order ``raw_first`` says (alternate it between points); only one
+    checkpoint is on disk at a time (the raw one is deleted before ours is written, and ours
+    after its load), and the measurement is skipped when the disk has less than
+    ``DISK_FACTOR`` times the state's size free. A failure (a full disk, say) is recorded as
+    ``ckpt_error`` and the point's other measurements stand.
 
     The directory is a temporary one that rank 0 creates and every rank is told (ranks of
     one host share it; across hosts, point ``TMPDIR`` at a shared filesystem). Records
     ``ckpt_save_ms``, ``raw_ckpt_save_ms``, ``ckpt_load_ms`` (verified, the default) and
-    ``ckpt_bytes`` (the checkpoint's files, counted on rank 0).
+    ``ckpt_bytes`` (the checkpoint's files, counted on rank 0), or ``ckpt_error``.
     """
     first = dist.get_rank() == 0
-    shared = [tempfile.mkdtemp(prefix="strategy-bench-ckpt-") if first else None]
+    state = [_state_bytes(wrapped, optimizer)]
+    sizes: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(sizes, state[0])
+    shared: list[Any] = [None, None]
+    if first:
+        folder_name = tempfile.mkdtemp(prefix="strategy-bench-ckpt-")
+        free = shutil.disk_usage(folder_name).free
+        need = DISK_FACTOR * sum(sizes)
+        reason = None
+        if free < need:
+            reason = (
+                f"skipped: {free / 2**30:.1f} GiB free in {folder_name}, under {DISK_FACTOR}x "
+                f"the state's {sum(sizes) / 2**30:.1f} GiB; point TMPDIR at a larger disk"
+            )
+        shared = [folder_name, reason]
     dist.broadcast_object_list(shared, src=0)
     folder = Path(str(shared[0]))
+    if shared[1] is not None:
+        out["ckpt_error"] = shared[1]
+        dist.barrier()
+        if first:
+            shutil.rmtree(folder, ignore_errors=True)
+        return
 
     def ours() -> None:
         save_checkpoint(folder / "ours", wrapped, optimizer, rng=False, overwrite=True)
+
+    def load() -> None:
+        load_checkpoint(folder / "ours", wrapped, optimizer, rng=False)
 
     def raw() -> None:
         model_sd, optim_sd = get_state_dict(wrapped, optimizer)
         dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / "raw"))
 
-    try:
-        for name, save in (
-            (("raw", raw), ("ours", ours))
-            if raw_first
-            else (
-                ("ours", ours),
-                ("raw", raw),
-            )
-        ):
-            elapsed, _ = timed_ms(save, device)
-            out["raw_ckpt_save_ms" if name == "raw" else "ckpt_save_ms"] = elapsed
-        out["ckpt_load_ms"], _ = timed_ms(
-            lambda: load_checkpoint(folder / "ours", wrapped, optimizer, rng=False), device
-        )
+    def remove(name: str) -> None:
+        dist.barrier()
+        if first:
+            shutil.rmtree(folder / name, ignore_errors=True)
+        dist.barrier()
+
+    def ours_then_load() -> None:
+        out["ckpt_save_ms"], _ = timed_ms(ours, device)
+        out["ckpt_load_ms"], _ = timed_ms(load, device)
         out["ckpt_bytes"] = sum(
             f.stat().st_size for f in (folder / "ours").rglob("*") if f.is_file()
         )
+        remove("ours")
+
+    def raw_save() -> None:
+        out["raw_ckpt_save_ms"], _ = timed_ms(raw, device)
+        remove("raw")
+
+    try:
+        for run in (raw_save, ours_then_load) if raw_first else (ours_then_load, raw_save):
+            run()
+    except Exception as error:  # collective errors reach every rank (DCP, checkpoint-io)
+        for key in ("ckpt_save_ms", "raw_ckpt_save_ms", "ckpt_load_ms", "ckpt_bytes"):
+            out.pop(key, None)
+        out["ckpt_error"] = error_summary(error, 300)
     finally:
         dist.barrier()
         if first:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+DISK_FACTOR = 2.5
+"""Free disk needed, as a multiple of the state's size (one checkpoint and slack)."""
+
+
+def _state_bytes(wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """This rank's parameters, buffers and optimizer state, as stored here."""
+    tensors = [*wrapped.parameters(), *wrapped.buffers()]
+    tensors += [
+        value
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
+    return local_bytes(tensors)

@@ -45,7 +45,7 @@ from strategy_bench._presets import (
     GPU_DEFAULT_MODELS,
     PRESETS,
 )
-from strategy_bench._report import write_report
+from strategy_bench._report import ONE_RANK_NOTE, write_report
 from strategy_bench._results import read_results, write_json_atomic
 from strategy_bench._sweep import parse_memory, recommend, sweep_configs, yaml_section
 from strategy_bench._table import agreement_table, estimate_table, summary_table
@@ -441,6 +441,8 @@ def _report(plan: Plan, extra: dict[str, Any]) -> None:
     ]
     for line in ratios:
         print(line)
+    if payload["env"].get("world_size") == 1:
+        print(ONE_RANK_NOTE)
     print(f"results: {out / 'results.json'}")
     print("plots: " + ", ".join(str(p) for p in pngs))
     print(f"report: {write_report(out, payload, pngs, recommendation)}")

@@ -27,14 +27,20 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from strategy_bench import _wrappers
-from strategy_bench._accounting import account, autocast, local_bytes, parameter_counts
+from strategy_bench._accounting import (
+    account,
+    autocast,
+    ddp_bucket_bytes,
+    local_bytes,
+    parameter_counts,
+)
 from strategy_bench._compat import FakeTensorMode, fake_process_group
 from strategy_bench._errors import BenchUsageError, error_summary
 from strategy_bench._init_peak import ModelSizes, init_peaks
 from strategy_bench._kept import FAILED, OK, ok_rows
 from strategy_bench._knobs import micro_steps, prepare_blocks
 from strategy_bench._plan import WorkloadSpec
-from strategy_bench._results import host_environment
+from strategy_bench._results import MEMORY_KINDS, host_environment
 from strategy_bench._workload import Workload, training_optimizer
 
 logger = logging.getLogger(__name__)
@@ -159,7 +165,9 @@ def _step(workload: Workload, point: EstimatePoint, options: EstimateOptions) ->
             out = account(model, optimizer, workload.loss, batches, compute)
     if point.strategy == "ddp":
         out.update(_ddp_communication(model))
-    static = out["param_bytes"] + out["grad_bytes"] + out["optimizer_bytes"]
+        as_view = bool(point.knobs.get("gradient_as_bucket_view", False))
+        out["ddp_bucket_bytes"] = ddp_bucket_bytes(model, as_view=as_view)
+    static = sum(out[f"{kind}_bytes"] for kind in MEMORY_KINDS if kind != "activation_peak")
     return {
         **counts,
         **out,
@@ -330,7 +338,7 @@ def _match_key(row: Mapping[str, Any]) -> tuple[Any, ...]:
 
 
 def _static(row: Mapping[str, Any]) -> int:
-    return int(row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"])
+    return int(row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"])  # as run did
 
 
 def _comm(row: Mapping[str, Any]) -> int:

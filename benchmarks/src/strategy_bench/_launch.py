@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from strategy_bench._budget import TimeBudget
-from strategy_bench._kept import describe_failure, describe_skipped, failure_row, ok_rows
+from strategy_bench._kept import FAILED, describe_failure, describe_skipped, failure_row
 from strategy_bench._knobs import needs_compiler
 from strategy_bench._memory import memory_reached
 from strategy_bench._plan import Plan
@@ -123,9 +123,18 @@ def _each_point(plan: Plan, scratch: Path, deadline: float | None, addr: str) ->
         remaining = None if deadline is None else max(1.0, deadline - begin)
         failure = _spawn(point, remaining, addr)
         seconds = time.monotonic() - begin
-        if failure is None:
-            payload = read_results(scratch / f"point{index}" / "results.json")
+        payload = _completed(scratch / f"point{index}" / "results.json", failure)
+        if payload is not None:
             env = payload["env"]
+            if failure is not None:  # measured in full; a rank failed only afterwards
+                teardown = _teardown_text(failure)
+                for row in payload["results"]:
+                    row["teardown_error"] = teardown
+                sys.stderr.write(
+                    f"strategy-bench: warning: [{index + 1}/{len(plan.configs)}] "
+                    f"{described['strategy']} {described['model']} was measured in full, then "
+                    f"{teardown}; the measured row is kept\n"
+                )
             rows.extend(payload["results"])
             for unmeasured in payload.get("skipped", []):  # the ranks skipped it: why
                 skipped.append(unmeasured)
@@ -134,6 +143,7 @@ def _each_point(plan: Plan, scratch: Path, deadline: float | None, addr: str) ->
             if payload["results"]:
                 budget.spent(config.workload, seconds)
         else:
+            assert failure is not None
             budget.spent(config.workload, seconds)
             env = env or _environment_of(plan)
             row = failure_row(described, env=env, world_size=plan.world_size, report=failure)
@@ -148,7 +158,30 @@ def _each_point(plan: Plan, scratch: Path, deadline: float | None, addr: str) ->
                 return 1
         write_results(out, env or _environment_of(plan), rows, skipped=skipped)
     write_results(out, env or _environment_of(plan), rows, skipped=skipped)  # the skipped too
-    return 0 if ok_rows(rows) else 1
+    # A failed point is an error; an out-of-memory row or a skipped point is a finding.
+    new = rows[len(plan.prior_rows) :]
+    return 1 if any(row.get("status") == FAILED for row in new) else 0
+
+
+def _completed(results: Path, failure: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The point's results if its ranks wrote them in full, else ``None``.
+
+    Rank 0 writes the point's ``results.json`` only after every rank's measurements were
+    gathered, so the file's presence means the point was measured completely, whatever
+    happened at teardown; a point whose ranks failed before that has no file.
+    """
+    if failure is not None and (failure.get("timed_out") or not results.exists()):
+        return None
+    try:
+        return read_results(results)
+    except (OSError, ValueError):
+        if failure is None:
+            raise
+        return None
+
+
+def _teardown_text(failure: dict[str, Any]) -> str:
+    return f"rank {failure.get('rank')} failed at teardown: {failure.get('error')}"
 
 
 def _environment_of(plan: Plan) -> dict[str, Any]:
@@ -284,7 +317,30 @@ def _child(plan: Plan, rank: int, init_method: str, errors: str) -> None:
             "traceback": text,
         }
         Path(errors, f"rank{rank}.json").write_text(json.dumps(report))
-        sys.exit(1)
+        _exit(1)
+    if os.environ.get(ABORT_AT_EXIT_VAR) == str(rank):  # the tests' stand-in for a C++ abort
+        os.abort()
+    _exit(0)
+
+
+ABORT_AT_EXIT_VAR = "STRATEGY_BENCH_TEST_ABORT_AT_EXIT"
+"""Test hook: the rank named here aborts (SIGABRT) after a complete run, as a C++
+``std::terminate`` at interpreter teardown did (issue: a measured point lost at teardown)."""
+
+
+def _exit(code: int) -> None:
+    """End the rank process now, with its output flushed, skipping interpreter teardown.
+
+    By now the rank has written what it measured and destroyed its process group after a
+    barrier. Python's teardown would then run the C++ destructors of whatever torch still
+    holds (gloo's and DeviceMesh's groups, the store) in no particular order; one of them
+    ended a rank with ``terminate called without an active exception`` (SIGABRT) after a
+    complete point. ``os._exit`` runs none of them.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _free_port(addr: str) -> int:

@@ -105,11 +105,12 @@ def _build(point: _Point, out: dict[str, Any]) -> nn.Module:
         out["init_ms"], built = timed_ms(lambda: build_replicated_model(**build), device)
     _record_init(out, "init", peak, device)
     model: nn.Module = built  # type: ignore[assignment]
-    with MemoryPeak(device) as peak:
-        out["init_rank0_ms"], other = timed_ms(lambda: _build_rank0(point, build), device)
-    _record_init(out, "init_rank0", peak, device)
-    del other
-    gc.collect()
+    if dist.get_world_size() > 1:  # at one rank, rank 0's build is the local build
+        with MemoryPeak(device) as peak:
+            out["init_rank0_ms"], other = timed_ms(lambda: _build_rank0(point, build), device)
+        _record_init(out, "init_rank0", peak, device)
+        del other
+        gc.collect()
     model = workload.with_trainable(model)
     counted: list[float | None] = [None] * dist.get_world_size()
     dist.all_gather_object(counted, _count_flops(point))  # model FLOPs: no recompute
@@ -234,6 +235,11 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
     grad-sync's ``no_sync``, each loss scaled by ``1 / grad_accum``.
     """
     workload, options, device = point.workload, point.options, point.device
+    # The build's and the wrap copies' memory must not count in the step's peaks: the copies
+    # (FSDP's in reference cycles) are collected and the allocator's cache is returned.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     wrapped = _wrappers.ours(point.strategy, model, device, point.knobs)
     optimizer = training_optimizer(wrapped.parameters())
     micro = micro_steps(point.knobs)

@@ -73,7 +73,9 @@ def _points(
     runs: Sequence[tuple[str, Mapping[str, Any]]], needs: str | None = None
 ) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
     """The measured rows (those with ``needs``, e.g. schema 2 fields) and a bar label each."""
-    rows = [(label, row) for label, row in _rows(runs) if needs is None or needs in row]
+    rows = [
+        (label, row) for label, row in _rows(runs) if needs is None or row.get(needs) is not None
+    ]
     multi = len(runs) > 1
     return rows, [f"{row['model']}\n{_series_label(label, row, multi)}" for label, row in rows]
 
@@ -229,6 +231,7 @@ _KIND_NAMES = {
     "param": "parameters",
     "grad": "gradients",
     "optimizer": "optimizer state",
+    "ddp_bucket": "DDP gradient buckets",
     "activation_peak": "activations saved for backward",
 }
 
@@ -241,7 +244,7 @@ def _memory_breakdown(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path)
     fig, ax = _point_figure(groups)
     bottom = [0.0] * len(rows)
     for kind, color in zip(MEMORY_KINDS, _COLOURS, strict=False):
-        values = [row[f"{kind}_bytes"] / 2**20 for _, row in rows]
+        values = [(row.get(f"{kind}_bytes") or 0) / 2**20 for _, row in rows]
         ax.bar(groups, values, bottom=bottom, label=_KIND_NAMES[kind], color=color)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     for x, total in enumerate(bottom):
@@ -382,7 +385,7 @@ def plot_estimate(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
             xs = list(range(len(mine)))
             bottom = [0.0] * len(mine)
             for kind, color in zip(MEMORY_KINDS, _COLOURS, strict=False):
-                values = [row[f"{kind}_bytes"] / scale for row in mine]
+                values = [(row.get(f"{kind}_bytes") or 0) / scale for row in mine]
                 ax.bar(xs, values, bottom=bottom, label=_KIND_NAMES[kind], color=color)
                 bottom = [b + v for b, v in zip(bottom, values, strict=True)]
             ax.set_xticks(xs, [str(row["world_size"]) for row in mine])

@@ -47,11 +47,22 @@ def write_report(
     if failures:
         lines += ["", "Points that did not complete:", ""]
         lines += [f"- {describe_failure(row)}" for row in failures]
+    torn = [row for row in measured if row.get("teardown_error")]
+    if torn:
+        lines += ["", "Measured in full, then a rank failed at teardown (the rows are kept):", ""]
+        lines += [
+            f"- {row['strategy']} {row['model']}"
+            + (f" {knob_text(row['knobs'])}" if row.get("knobs") else "")
+            + f": {row['teardown_error']}"
+            for row in torn
+        ]
     skipped = payload.get("skipped", [])
     if skipped:
         lines += ["", "Points not measured:", ""]
         lines += [f"- {describe_skipped(point)}" for point in skipped]
     lines += ["", "## Verdict", ""]
+    if env.get("world_size") == 1:
+        lines += [ONE_RANK_NOTE, ""]
     lines += _verdicts(rows) or ["No model was measured under both DDP and FSDP."]
     if recommendation is not None:
         lines += ["", "## Recommendation", "", "```text", recommendation, "```"]
@@ -74,7 +85,8 @@ def _peak(env: Mapping[str, Any]) -> str:
 def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     header = (
         "| model | strategy | knobs | step ms (p10-p90) | samples/s | MFU | params / grads / "
-        "optimizer / activations MiB per rank | comm MiB per step | ckpt save / raw / load ms |"
+        "optimizer / DDP buckets / activations MiB per rank | comm MiB per step | "
+        "ckpt save / raw / load ms |"
     )
     lines = [header, "|" + " --- |" * 9]
     for row in rows:
@@ -110,8 +122,20 @@ def _comm(row: Mapping[str, Any]) -> int:
     return sum((row.get("comm_bytes_per_step") or {}).values())
 
 
+ONE_RANK_NOTE = (
+    "At world size 1 nothing is communicated (DDP's all-reduce of one rank and FSDP2, which "
+    "issues no collective, move no bytes between ranks): the rows compare wrapper and "
+    "framework overhead, MFU, memory, init and checkpoint cost. No communication is measured, "
+    "and no strategy wins on it; run on 2 or more GPUs for that."
+)
+"""What report.md and the summary say of a one-rank run."""
+
+
 def verdict(ddp: Mapping[str, Any], fsdp: Mapping[str, Any]) -> str:
-    """One model's verdict in measured figures (both rows at their default knobs)."""
+    """One model's verdict in measured figures (both rows at their default knobs).
+
+    At world size 1 the throughput ratio is framework overhead only, and is said so.
+    """
     model = ddp["model"]
     failed = [row for row in (ddp, fsdp) if row.get("status", "ok") != "ok"]
     if ddp.get("status") == OOM and fsdp.get("status", "ok") == "ok":
@@ -132,6 +156,12 @@ def verdict(ddp: Mapping[str, Any], fsdp: Mapping[str, Any]) -> str:
             )
         return f"- `{model}`: {text}."
     speed = fsdp["samples_per_s"] / ddp["samples_per_s"]
+    if ddp.get("world_size") == 1:
+        return (
+            f"- `{model}` at 1 rank: FSDP ran at {speed:.2f}x DDP's throughput, the cost of "
+            "each wrapper's framework work alone (no communication: no winner named); static "
+            f"memory {_static(fsdp) / _MIB:.1f} vs {_static(ddp) / _MIB:.1f} MiB."
+        )
     faster = "DDP" if speed < 1 else "FSDP"
     text = f"- `{model}`: FSDP ran at {speed:.2f}x DDP's throughput ({faster} wins)"
     reasons = []
@@ -144,7 +174,8 @@ def verdict(ddp: Mapping[str, Any], fsdp: Mapping[str, Any]) -> str:
         saved = 1 - _static(fsdp) / _static(ddp)
         reasons.append(
             f"and {'saved' if saved >= 0 else 'added'} {abs(100 * saved):.0f}% of static memory "
-            f"per rank (parameters, gradients, optimizer state: {_static(fsdp) / _MIB:.1f} vs "
+            f"per rank (parameters, gradients, optimizer state, DDP's gradient buckets: "
+            f"{_static(fsdp) / _MIB:.1f} vs "
             f"{_static(ddp) / _MIB:.1f} MiB)"
         )
     if reasons:

@@ -39,8 +39,9 @@ REQUIRED_ROW_KEYS = (
 )
 
 
-MEMORY_KINDS = ("param", "grad", "optimizer", "activation_peak")
-"""The kinds of per-rank memory a row records, as ``<kind>_bytes``."""
+MEMORY_KINDS = ("param", "grad", "optimizer", "ddp_bucket", "activation_peak")
+"""The kinds of per-rank memory a row records, as ``<kind>_bytes`` (activations last: the
+others are the static memory). Rows written before ``ddp_bucket`` lack it (read as 0)."""
 
 
 def byte_unit(largest: float) -> tuple[str, int]:
@@ -161,13 +162,17 @@ def merge_ranks(
         "peak_mem_per_rank": [r["peak_mem_bytes"] for r in per_rank],
         "peak_reserved_bytes": max(r["peak_reserved_bytes"] for r in per_rank),
         "peak_reserved_per_rank": [r["peak_reserved_bytes"] for r in per_rank],
-        **{f"{kind}_bytes": max(r[f"{kind}_bytes"] for r in per_rank) for kind in MEMORY_KINDS},
-        "ckpt_save_ms": max(r["ckpt_save_ms"] for r in per_rank),
-        "raw_ckpt_save_ms": max(r["raw_ckpt_save_ms"] for r in per_rank),
-        "ckpt_load_ms": max(r["ckpt_load_ms"] for r in per_rank),
-        "ckpt_bytes": per_rank[0]["ckpt_bytes"],
         **{
-            f"{kind}_bytes_per_rank": [r[f"{kind}_bytes"] for r in per_rank]
+            f"{kind}_bytes": max(r.get(f"{kind}_bytes", 0) for r in per_rank)
+            for kind in MEMORY_KINDS
+        },
+        "ckpt_save_ms": _max_or_none(per_rank, "ckpt_save_ms"),
+        "raw_ckpt_save_ms": _max_or_none(per_rank, "raw_ckpt_save_ms"),
+        "ckpt_load_ms": _max_or_none(per_rank, "ckpt_load_ms"),
+        "ckpt_bytes": per_rank[0].get("ckpt_bytes"),
+        "ckpt_error": per_rank[0].get("ckpt_error"),
+        **{
+            f"{kind}_bytes_per_rank": [r.get(f"{kind}_bytes", 0) for r in per_rank]
             for kind in MEMORY_KINDS
         },
         "comm_bytes_per_step": per_rank[0]["comm_bytes_per_step"],

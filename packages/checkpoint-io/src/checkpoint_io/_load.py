@@ -82,6 +82,7 @@ def load_checkpoint(
     failure: BaseException | None = None
     plan: dict[str, Any] = {}
     try:
+        _state.require_model_device(model, "load_checkpoint")
         plan = _prepare(root, model, optimizer, stateful, strict=strict, rng=rng, fresh=verify)
     except Exception as error:
         failure = error
@@ -204,21 +205,36 @@ def _rng_state(root: Path, manifest: Mapping[str, Any]) -> RngState | None:
     except Exception as error:
         raise CheckpointError(f"{file} is missing or corrupt ({_first_line(error)})") from None
     device = state.get("device")
-    if device is not None and not _available(device["type"], device["index"]):
-        logger.warning(
-            "%s holds the RNG state of %s:%d, which this process does not have; only the CPU "
-            "stream is restored",
-            file,
-            device["type"],
-            device["index"],
-        )
-        state = {**state, "device": None}
+    if device is not None:
+        current = _current_index(device["type"])
+        if current is None:
+            logger.warning(
+                "%s holds the RNG state of %s:%d, and this process has no %s device; only the "
+                "CPU stream is restored",
+                file,
+                device["type"],
+                device["index"],
+                device["type"],
+            )
+            state = {**state, "device": None}
+        elif current != device["index"]:  # this rank's device now, whatever index saved it
+            logger.debug(
+                "%s: the %s RNG state saved from index %d goes to this rank's device %d",
+                file,
+                device["type"],
+                device["index"],
+                current,
+            )
+            state = {**state, "device": {**device, "index": current}}
     return state
 
 
-def _available(kind: str, index: int) -> bool:
+def _current_index(kind: str) -> int | None:
+    """This process's current device index of accelerator type ``kind``, or ``None``."""
     module = getattr(torch, kind, None)
-    return bool(module is not None and module.is_available() and index < module.device_count())
+    if module is None or not module.is_available() or module.device_count() < 1:
+        return None
+    return int(module.current_device())
 
 
 def _first_line(error: BaseException) -> str:

@@ -120,6 +120,7 @@ def _write(
     state: dict[str, Any] = {}
     failure: BaseException | None = None
     try:
+        _state.require_model_device(model, "save_checkpoint")
         state[_state.MODEL] = _state.model_state(model)
         if optimizer is not None:
             state[_state.OPTIM] = _state.optimizer_state(model, optimizer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -15,11 +16,22 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint_io._collective import from_rank0
 from checkpoint_io._errors import CheckpointError
-from dist_core import rank, unwrap_model
+from dist_core import rank, require_current_device, unwrap_model
 from replica_init import state_fingerprint
 from strategy_config import did_you_mean
 
 MODEL, OPTIM, STATEFUL = "model", "optim", "stateful"
+
+
+def require_model_device(model: nn.Module, caller: str) -> None:
+    """Refuse a model on an accelerator other than the current one (collectives stage there).
+
+    Raises:
+        ValueError: Naming the device and the ``set_device`` call to make.
+    """
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    if first is not None:
+        require_current_device(first.device, caller=caller, argument="the model's device")
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
