@@ -100,3 +100,16 @@ def sharded_memory(rank: int, world_size: int, params: dict[str, int]) -> dict[s
         "largest": largest,
         "total": total,
     }
+
+
+def every_worker(rank: int, world_size: int, workers: list[tuple[str, str]], tmp: str) -> Any:
+    """Run several packages' workers one after the other in this rank (one process start for
+    all of them); ``checkpoint_workers`` gets ``tmp``. Returns their results in order."""
+    import importlib
+
+    results = []
+    for module, name in workers:
+        worker = getattr(importlib.import_module(module), name)
+        args = (tmp,) if module == "checkpoint_workers" else ()
+        results.append(worker(rank, world_size, *args))
+    return results

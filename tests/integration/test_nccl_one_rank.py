@@ -312,7 +312,15 @@ def test_one_rank_nccl(module: str, name: str, check: Check, tmp_path: Path) -> 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("module", "name", "check"), WORKERS, ids=IDS)
-def test_one_rank_gloo(module: str, name: str, check: Check, tmp_path: Path) -> None:
-    """The same checks on CPU, so that they run where no GPU is."""
-    check(_run_one_rank(module, name, "gloo", tmp_path), tmp_path)
+def test_one_rank_gloo(tmp_path: Path) -> None:
+    """The same checks on CPU, so that they run where no GPU is: every worker in one rank
+    process, one after the other (a process start each cost ~5 s of the suite)."""
+    from integration_workers import every_worker
+
+    named = [(module, name) for module, name, _ in WORKERS]
+    (results,) = run_ranks(every_worker, named, str(tmp_path), world_size=1, backend="gloo")
+    for (module, _, check), result in zip(WORKERS, results, strict=True):
+        try:
+            check(cast(Result, result), tmp_path)
+        except AssertionError as error:
+            raise AssertionError(f"{module}: {error}") from error
