@@ -6,10 +6,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ddp_wrap import mark_forward_method, wrap_module_ddp
 from dist_harness import rank_device
-from toy_models import Nested, RunnerNet
+from toy_models import Nested, RunnerNet, TinyDecoder
 
 
 def _model() -> RunnerNet:
@@ -49,10 +50,11 @@ def gradient_sync(rank: int, world_size: int) -> dict[str, Any]:
     local.loss(_data(rank)).backward()
     out["local_grads"] = _grads(local)
 
-    # An unmarked bypass under grad is refused, on every rank, before any gradient exists.
+    # An unmarked bypass whose backward follows no DDP forward is refused, on every rank,
+    # before any gradient reaches the model.
     guarded = wrap_module_ddp(_model(), device=rank_device())
     try:
-        guarded.loss(_data(rank))
+        guarded.loss(_data(rank)).backward()
     except RuntimeError as error:
         out["bypass_error"] = str(error)
     out["bypass_left_grads"] = _grads(guarded.module)
@@ -77,6 +79,8 @@ def gradient_sync(rank: int, world_size: int) -> dict[str, Any]:
     nested(_data(rank)).sum().backward()
     out["nested_grads"] = _grads(nested.module)
 
+    out.update(_allowed_bypasses(rank))
+
     # broadcast_buffers=False (the reference): a rank-local buffer is synced neither at init
     # nor in forward. True: synced from rank 0.
     for flag in (False, True):
@@ -85,4 +89,49 @@ def gradient_sync(rank: int, world_size: int) -> dict[str, Any]:
         wrapped = wrap_module_ddp(model, device=rank_device(), broadcast_buffers=flag)
         wrapped(_data(rank))
         out[f"mean_after_broadcast_{flag}"] = model.mean.tolist()
+    return out
+
+
+def _allowed_bypasses(rank: int) -> dict[str, Any]:
+    """What raw DDP reduces correctly trains through ours too, with raw DDP's gradients."""
+    out: dict[str, Any] = {}
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8 + rank]], device=rank_device())
+
+    def decoder() -> TinyDecoder:
+        torch.manual_seed(0)
+        return TinyDecoder().to(rank_device())
+
+    # inputs_embeds: the embedding computed through the wrapper, fed into its forward.
+    for name, wrapped in (
+        ("ours", wrap_module_ddp(decoder(), device=rank_device())),
+        ("raw", DistributedDataParallel(decoder())),
+    ):
+        embeds = wrapped.module.get_input_embeddings()(ids) if name == "raw" else None
+        if embeds is None:
+            embeds = wrapped.get_input_embeddings()(ids)
+        wrapped(inputs_embeds=embeds).float().pow(2).mean().backward()
+        out[f"embeds_grads_{name}"] = _grads(wrapped.module)
+
+    # An auxiliary loss from a submodule, added to the DDP loss.
+    torch.manual_seed(0)
+    nested = wrap_module_ddp(Nested().to(rank_device()), device=rank_device())
+    x = _data(rank)
+    (nested(x).sum() + nested.body(x).pow(2).sum()).backward()
+    out["aux_grads"] = _grads(nested.module)
+
+    # no_sync: a bypass micro-step, then a synchronised step through DDP. The accumulated
+    # gradients equal the mean over ranks of each rank's local two-micro-step gradients.
+    torch.manual_seed(0)
+    accum = wrap_module_ddp(Nested().to(rank_device()), device=rank_device())
+    torch.manual_seed(0)
+    alone = Nested().to(rank_device())
+    for model, context in ((accum, accum.no_sync), (alone, None)):
+        if context is not None:
+            with context():
+                model.body(x).sum().backward()
+        else:
+            model.body(x).sum().backward()
+        model(x * 2).sum().backward()
+    out["no_sync_grads"] = _grads(accum.module)
+    out["no_sync_local_grads"] = _grads(alone)
     return out

@@ -104,7 +104,7 @@ class Body(nn.Module):
         self.hooks_seen: list[int] = []  # bypass hooks present while the forward ran
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.hooks_seen.append(len(self.layer1._forward_pre_hooks))
+        self.hooks_seen.append(len(self.layer1._forward_hooks))
         return self.layer2(torch.tanh(self.layer1(x)))
 
 
@@ -196,3 +196,26 @@ class WideNet(nn.Module):
         for block in self.blocks:
             x = torch.relu(block(x))
         return self.head(x)
+
+
+class TinyDecoder(nn.Module):
+    """Shaped like a Hugging Face causal LM: an input embedding (``get_input_embeddings``),
+    blocks, a head tied to the embedding, and ``forward(input_ids=..., inputs_embeds=...)``."""
+
+    def __init__(self, vocab: int = 16, width: int = 8, depth: int = 2) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def forward(
+        self, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(x)

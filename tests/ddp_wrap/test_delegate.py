@@ -77,14 +77,18 @@ def test_pickle_and_state_dict_as_ddp(wrapped: DelegatingDistributedDataParallel
     assert isinstance(clone, DelegatingDistributedDataParallel)
     assert clone.latent_seq_len == 7
     x = torch.ones(2, 4)
-    assert torch.equal(clone(x), wrapped(x))
+    with torch.no_grad():
+        assert torch.equal(clone(x), wrapped(x))
     with pytest.raises(RuntimeError, match="ran the forward of submodule 'net'"):
-        clone.loss(x)
+        clone.loss(x).backward()
 
 
 def test_bypass_is_refused_and_names_the_fix(wrapped: DelegatingDistributedDataParallel) -> None:
+    """A delegated method's backward with no DDP forward to reduce it: refused in backward,
+    before any gradient reaches the submodule."""
+    loss = wrapped.loss(torch.ones(2, 4))  # the forward itself is allowed
     with pytest.raises(RuntimeError) as info:
-        wrapped.loss(torch.ones(2, 4))
+        loss.backward()
     message = str(info.value)
     assert "RunnerNet.loss() ran the forward of submodule 'net' (Linear)" in message
     assert "mark_forward_method(model, 'loss')" in message
@@ -113,10 +117,11 @@ def test_bypass_detection_can_be_turned_off() -> None:
 def test_bypass_hook_is_removed_after_an_error(wrapped: DelegatingDistributedDataParallel) -> None:
     from torch.nn.modules import module as module_impl
 
-    before = dict(module_impl._global_forward_pre_hooks)
+    before = dict(module_impl._global_forward_pre_hooks), dict(module_impl._global_forward_hooks)
     with pytest.raises(RuntimeError):
-        wrapped.loss(torch.ones(2, 4))
-    assert dict(module_impl._global_forward_pre_hooks) == before
+        wrapped.loss(torch.ones(2, 4)).backward()
+    after = dict(module_impl._global_forward_pre_hooks), dict(module_impl._global_forward_hooks)
+    assert after == before
     nn.Linear(4, 1)(torch.ones(1, 4))  # a plain module elsewhere runs untouched
 
 
@@ -186,16 +191,28 @@ class TestSubmoduleBypass:
         wrapped = wrap_module_ddp(Nested(), device="cpu")
         x = torch.ones(2, 4)
         with pytest.raises(RuntimeError) as info:
-            wrapped.body(x)
+            wrapped.body(x).sum().backward()
         message = str(info.value)
-        assert "submodule 'body.layer1' (Linear) of the DDP-wrapped Nested" in message
-        assert "outside DDP's forward while grad is enabled" in message
+        assert "submodule 'body.layer2' (Linear) of the DDP-wrapped Nested" in message
+        assert "the backward through its output follows no DDP forward" in message
         assert "detect_bypass=False" in message
-        with pytest.raises(RuntimeError, match="submodule 'body.layer2' \\(Linear\\)"):
-            wrapped.body.layer2(x)
+        with pytest.raises(RuntimeError, match="submodule 'body.layer1' \\(Linear\\)"):
+            wrapped.body.layer1(x).sum().backward()
         with pytest.raises(RuntimeError, match="submodule 'head'"):
-            wrapped.module.head(x)  # the same object: the check follows the module
+            wrapped.module.head(x).sum().backward()  # the same object: the check follows it
         assert all(p.grad is None for p in wrapped.parameters())
+
+    def test_outputs_fed_to_ddp_or_added_to_its_loss_are_allowed(self) -> None:
+        """What raw DDP reduces: a submodule's output fed into the DDP forward, or added to
+        the loss of one (an auxiliary loss); and no_sync micro-steps."""
+        torch.manual_seed(0)
+        wrapped = wrap_module_ddp(Nested(), device="cpu")
+        x = torch.ones(2, 4)
+        wrapped(wrapped.body(x)).sum().backward()  # fed into DDP's forward
+        (wrapped(x).sum() + wrapped.body(x).sum()).backward()  # auxiliary loss
+        with wrapped.no_sync():
+            wrapped.body(x).sum().backward()  # DDP accumulates locally; next sync reduces
+        assert wrapped.module.body.layer1.weight.grad is not None
 
     def test_allowed_without_grad_and_inside_ddp_forward(self) -> None:
         wrapped = wrap_module_ddp(Nested(), device="cpu")
@@ -233,26 +250,27 @@ class TestSubmoduleBypass:
         x = torch.ones(2, 4)
         copy.deepcopy(model).body(x).sum().backward()  # an EMA copy
         pickle.loads(pickle.dumps(model)).body(x).sum().backward()  # torch.save(model)
-        with pytest.raises(RuntimeError, match="submodule 'body.layer1'"):
-            model.body(x)  # the original still is, while its wrapper lives
+        with pytest.raises(RuntimeError, match="submodule 'body.layer"):
+            model.body(x).sum().backward()  # the original still is, while its wrapper lives
         del wrapped
         gc.collect()
-        model.body(x)  # wrapper gone: the hooks do nothing
+        model.body(x).sum().backward()  # wrapper gone: the hooks do nothing
 
     def test_wrapping_again_keeps_one_hook_per_module(self) -> None:
         model = Nested()
         first = wrap_module_ddp(model, device="cpu")
         second = wrap_module_ddp(model, device="cpu")
-        assert len(model.body.layer1._forward_pre_hooks) == 1
+        assert len(model.body.layer1._forward_hooks) == 1
         x = torch.ones(2, 4)
-        first(x)
-        second(x)
-        assert len(model.body.layer1._forward_pre_hooks) == 1
+        with torch.no_grad():
+            first(x)
+            second(x)
+        assert len(model.body.layer1._forward_hooks) == 1
         with pytest.raises(RuntimeError):
-            model.body(x)
+            model.body(x).sum().backward()
 
     def test_turned_off(self) -> None:
         model = Nested()
         wrap_module_ddp(model, device="cpu", detect_bypass=False)
-        assert not model.body.layer1._forward_pre_hooks
+        assert not model.body.layer1._forward_hooks
         model.body(torch.ones(2, 4))

@@ -1,9 +1,20 @@
-"""Bypass detection: a trainable submodule that runs under grad outside DDP's forward.
+"""Bypass detection: gradients that reach the model in a backward DDP will not reduce.
 
-Every submodule that holds trainable parameters of its own gets one forward pre-hook. The
-hooks are detached for the duration of DDP's forward (a few dict operations per step, no hook
-call inside the step) and attached again after it, so outside DDP's forward a trainable
-submodule that runs while grad is enabled raises, whichever path reached it: ``ddp.body(x)``,
+DDP's reducer reduces the gradients of a backward that follows a DDP forward (it expects the
+parameters' hooks then, and ignores them once the reduction is done). So a trainable
+submodule run outside DDP's forward desyncs the ranks only when the backward through its
+output has no DDP forward to follow: ``ddp.body(x).sum().backward()``. Its output fed into the
+wrapped model's forward (``inputs_embeds``, prompt tuning, LLaVA-style projectors), or
+combined with the DDP output into one loss (auxiliary losses), is reduced like the rest.
+
+Every submodule that holds trainable parameters of its own gets one forward hook. The hooks
+are detached for the duration of DDP's forward (a few dict operations per step, no hook call
+inside the step) and attached again after it. Outside DDP's forward, under grad, the hook
+puts a gradient hook on the submodule's output; when the backward reaches that output, the
+hook refuses it unless DDP will reduce this backward (a DDP forward with gradient sync ran
+and its backward has not finished) or ``no_sync`` is active (DDP accumulates locally then,
+and the next synchronised backward reduces the sum). The refusal raises before any gradient
+reaches the submodule's parameters, whichever path reached it: ``ddp.body(x)``,
 ``ddp.body.layer1(x)``, a delegated method, or ``ddp.module.body(x)`` (the same object).
 """
 
@@ -19,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_leaves
 
 from ddp_wrap import _compat
 
@@ -75,7 +87,7 @@ class _Watch:
 
 
 class _Hook:
-    """The forward pre-hook of one trainable submodule."""
+    """The forward hook of one trainable submodule: marks its output outside DDP's forward."""
 
     __slots__ = ("name", "watch")
 
@@ -83,14 +95,68 @@ class _Hook:
         self.watch = watch
         self.name = name
 
-    def __call__(self, module: nn.Module, _args: Any) -> None:
+    def __call__(self, module: nn.Module, _args: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or IN_FORWARD[0]:
             return
         ref = self.watch.wrapper
         wrapper = None if ref is None else ref()
         if wrapper is None or _compat.in_backward():  # inert copy; checkpoint recompute
             return
-        raise RuntimeError(_message(wrapper.module, self.name, module))
+        tensors = [
+            t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not tensors:
+            return
+        check = _BackwardCheck(ref, _message(wrapper.module, self.name, module))  # type: ignore[arg-type]
+        for tensor in tensors:
+            tensor.register_hook(check)  # type: ignore[no-untyped-call]
+
+
+class _BackwardCheck:
+    """The gradient hook on a bypass output: refuses a backward DDP will not reduce."""
+
+    __slots__ = ("message", "wrapper")
+
+    def __init__(
+        self, wrapper: weakref.ReferenceType[DistributedDataParallel], message: str
+    ) -> None:
+        self.wrapper = wrapper
+        self.message = message
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        wrapper = self.wrapper()
+        if wrapper is None or not wrapper.require_backward_grad_sync:  # gone; in no_sync
+            return
+        if wrapper.__dict__.get("_ddp_wrap_awaiting_backward"):  # a DDP forward feeds it
+            return
+        raise RuntimeError(self.message)
+
+
+def await_backward(wrapper: DistributedDataParallel, output: Any) -> None:
+    """After a DDP forward with gradient sync: DDP will reduce the backward through ``output``.
+
+    Until that backward ends, bypass outputs in it are reduced too (allowed). The end is
+    found with a gradient hook on the forward's outputs, which queues a callback for the end
+    of the backward that runs through them.
+    """
+    state = wrapper.__dict__
+    state["_ddp_wrap_awaiting_backward"] = True
+    tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not tensors:
+        state["_ddp_wrap_awaiting_backward"] = False
+        return
+    queued = [False]
+
+    def done() -> None:
+        state["_ddp_wrap_awaiting_backward"] = False
+
+    def hook(grad: torch.Tensor) -> None:
+        if not queued[0]:
+            queued[0] = True
+            torch.autograd.Variable._execution_engine.queue_callback(done)
+
+    for tensor in tensors:
+        tensor.register_hook(hook)  # type: ignore[no-untyped-call]
 
 
 def watch_trainable_submodules(wrapper: DistributedDataParallel, root: nn.Module) -> _Watch:
@@ -109,7 +175,7 @@ def watch_trainable_submodules(wrapper: DistributedDataParallel, root: nn.Module
     watch = _Watch()
     watch.bind(wrapper)
     for name, sub in root.named_modules():
-        table = sub._forward_pre_hooks
+        table = sub._forward_hooks
         if table:
             for hook in list(table.values()):
                 if isinstance(hook, _Hook):
@@ -117,7 +183,7 @@ def watch_trainable_submodules(wrapper: DistributedDataParallel, root: nn.Module
         if any(p is not None and p.requires_grad for p in sub._parameters.values()):
             hook = _Hook(watch, name or "<root>")
             key = next(_KEYS)
-            table[key] = hook  # what register_forward_pre_hook does, without a handle
+            table[key] = hook  # what register_forward_hook does, without a handle
             watch.entries.append((table, key, hook))
     return watch
 
@@ -126,8 +192,10 @@ def _message(root: nn.Module, name: str, module: nn.Module) -> str:
     method = _calling_method(root)
     what = f"submodule '{name}' ({type(module).__name__})"
     consequence = (
-        "outside DDP's forward while grad is enabled: its gradients would not be synchronised "
-        "across ranks."
+        "outside DDP's forward, and the backward through its output follows no DDP forward: "
+        "DDP will not reduce it, so its gradients would differ across ranks (refused before "
+        "they reached its parameters; gradients that other parts of this backward already "
+        "accumulated are not synchronised either: zero them)."
     )
     if method is not None:
         return (
@@ -139,7 +207,9 @@ def _message(root: nn.Module, name: str, module: nn.Module) -> str:
         )
     return (
         f"{what} of the DDP-wrapped {type(root).__name__}, which has trainable parameters, ran "
-        f"its forward {consequence} Call the whole model through the wrapper (ddp(...)), route "
+        f"its forward {consequence} Feed its output into the wrapper's forward or add it to "
+        "the loss of one (auxiliary losses are reduced), call the whole model through the "
+        "wrapper (ddp(...)), route "
         "a method that runs it through DDP with mark_forward_method(ddp, name) or "
         "wrap_module_ddp(..., forward_methods=[name]), or run it under torch.no_grad() / "
         "torch.inference_mode() if no gradient is needed; wrap_module_ddp(..., "

@@ -6,10 +6,11 @@ import operator
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from ddp_wrap._bypass import IN_FORWARD, watch_trainable_submodules
+from ddp_wrap._bypass import IN_FORWARD, await_backward, watch_trainable_submodules
 from dist_core import check_forward_methods
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -124,7 +125,10 @@ class DelegatingDistributedDataParallel(DistributedDataParallel):
         state["_ddp_wrap_in_forward"] += 1
         IN_FORWARD[0] += 1
         try:
-            return super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
+            output = super().forward(*inputs, **kwargs)  # type: ignore[no-untyped-call]
+            if watch is not None and torch.is_grad_enabled() and self.require_backward_grad_sync:
+                await_backward(self, output)
+            return output
         finally:
             IN_FORWARD[0] -= 1
             state["_ddp_wrap_in_forward"] -= 1
