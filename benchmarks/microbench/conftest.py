@@ -41,6 +41,13 @@ TARGETS = {
     "grad-sync: clip_grad_norm": 1.10,
     "checkpoint-io: save vs get_state_dict + dcp.save": 1.10,
     "checkpoint-io: load vs dcp.load + set_state_dict": 1.10,
+    "checkpoint-io: load, verified, vs raw": 1.25,
+    "checkpoint-io, 2 ranks, DDP: save vs get_state_dict + dcp.save": 1.10,
+    "checkpoint-io, 2 ranks, FSDP: save vs get_state_dict + dcp.save": 1.10,
+    "checkpoint-io, 2 ranks, DDP: load, verified, vs dcp.load + set_state_dict": 1.25,
+    "checkpoint-io, 2 ranks, FSDP: load, verified, vs dcp.load + set_state_dict": 1.25,
+    "checkpoint-io, 2 ranks, DDP: async save stall vs a synchronous save": 0.25,
+    "checkpoint-io, 2 ranks, FSDP: async save stall vs a synchronous save": 0.25,
 }
 RESULTS = Path(__file__).resolve().parents[2] / "bench-results" / "microbench-ratios.json"
 

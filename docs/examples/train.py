@@ -11,26 +11,39 @@ Stop anywhere and resume anywhere (checkpoint-io): save under DDP, resume under 
     torchrun --nproc-per-node 2 docs/examples/train.py --strategy ddp --steps 2 --save ckpt
     torchrun --nproc-per-node 2 docs/examples/train.py --strategy fsdp --steps 4 --resume ckpt
 
+A long, preemptible run: a checkpoint every 2 steps, the last 3 kept, written in the
+background, saved on SIGTERM, and resumed by itself from the latest complete checkpoint when
+torchrun restarts the job (a rank killed at any moment, a save included):
+
+    torchrun --nproc-per-node 2 --max-restarts 3 docs/examples/train.py --steps 20 \
+        --ckpt-dir runs/ckpt --ckpt-every 2 --keep-last 3 --async-save --save-on-sigterm
+
 On a GPU host it uses NCCL and one GPU per rank. It builds the model with ``prepare_model``
 (identical replicas, verified), freezes the encoder with a trainable policy, trains a few
 steps of AdamW on per-rank data, and prints the loss and a fingerprint of the full weights from
-rank 0: the same for both strategies, and the same with or without gradient accumulation
+rank 0 (the same for both strategies, and the same with or without gradient accumulation
 (``--grad-accum K`` splits each rank's batch into K micro-batches; grad-sync's ``no_sync``
-skips the reduction on all but the last, ``clip_grad_norm`` clips the whole model's norm).
+skips the reduction on all but the last, ``clip_grad_norm`` clips the whole model's norm),
+and, with ``--ckpt-dir``, the same whether or not the job was killed and restarted.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import logging
 import os
+import signal
+import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from distributed_strategy import (
+    CheckpointManager,
     clip_grad_norm,
     derive_seed,
     full_state_dict,
@@ -38,6 +51,7 @@ from distributed_strategy import (
     no_sync,
     prepare_model,
     save_checkpoint,
+    state_fingerprint,
 )
 
 
@@ -93,6 +107,20 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="max gradient norm")
     parser.add_argument("--save", default=None, help="checkpoint directory to write at the end")
     parser.add_argument("--resume", default=None, help="checkpoint directory to resume from")
+    parser.add_argument("--ckpt-dir", default=None, help="save step-<N> checkpoints here")
+    parser.add_argument("--ckpt-every", type=int, default=1, help="steps between checkpoints")
+    parser.add_argument("--keep-last", type=int, default=None, help="checkpoints to keep")
+    parser.add_argument("--async-save", action="store_true", help="write in the background")
+    parser.add_argument(
+        "--save-on-sigterm", action="store_true", help="on SIGTERM: save, then exit 0"
+    )
+    parser.add_argument(
+        "--pg-timeout-s",
+        type=float,
+        default=60.0,
+        help="collective timeout: a rank whose peer was killed fails after it, so that "
+        "torchrun restarts the job instead of waiting (torch's default is 10-30 min)",
+    )
     args = parser.parse_args()
     if args.grad_accum < 1 or args.batch_size % args.grad_accum:
         parser.error("--grad-accum must be >= 1 and divide --batch-size")
@@ -101,11 +129,12 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    timeout = datetime.timedelta(seconds=args.pg_timeout_s)
     if cuda:  # the device first, then the group bound to it (as torch recommends)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        init_process_group("nccl", timeout, device_id=device)
     else:
-        dist.init_process_group("gloo")
+        init_process_group("gloo", timeout)
     rank = dist.get_rank()
     try:
         model = prepare_model(
@@ -122,6 +151,16 @@ def main() -> None:
         first = 0
         if args.resume:  # any strategy, any world size: DCP reshards
             first = load_checkpoint(args.resume, model, optimizer).step or 0
+        manager = None
+        if args.ckpt_dir:  # resumes by itself: the latest complete checkpoint, if any
+            manager = CheckpointManager(
+                args.ckpt_dir,
+                every=args.ckpt_every,
+                keep_last=args.keep_last,
+                async_save=args.async_save,
+                on_sigterm=args.save_on_sigterm,
+            )
+            first = manager.resume(model, optimizer)
         for step in range(first, args.steps):
             # The data of a step depends only on (seed, rank, step): a resumed run sees the same.
             data = torch.Generator().manual_seed(derive_seed(args.seed, "data", rank, step))
@@ -144,12 +183,19 @@ def main() -> None:
             if rank == 0:
                 clipped = f", grad norm {norm.item():.6f}" if args.clip is not None else ""
                 print(f"step {step}: loss {total:.6f}{clipped}")
+            _test_kill(rank, step + 1, "step")
+            if manager is not None:
+                _test_kill(rank, step + 1, "save")
+                manager.maybe_save(step + 1, model, optimizer)  # steps completed so far
+        if manager is not None:
+            manager.close()  # waits for a background save
         if args.save:
             save_checkpoint(args.save, model, optimizer, step=args.steps, overwrite=True)
         full = full_state_dict(model)  # plain CPU tensors on rank 0, under either strategy
         if rank == 0:
             total = sum(float(t.double().sum()) for t in full.values())
             print(f"{args.strategy}: final weight sum {total:.6f}")
+            print(f"{args.strategy}: final fingerprint {state_fingerprint(sorted(full.items()))}")
         # Every rank is done before any rank tears the group down: a gloo peer that is torn
         # down while the other still holds the connection can abort the process.
         dist.barrier()
@@ -157,5 +203,59 @@ def main() -> None:
         dist.destroy_process_group()
 
 
+def init_process_group(backend: str, timeout: datetime.timedelta, **kwargs: Any) -> None:
+    """``init_process_group`` from torchrun's environment, safe across torchrun restarts.
+
+    Every attempt's keys go under their own prefix of torchrun's store: a restarted rank may
+    otherwise read the address a dead rank of the previous attempt left there, and fail to
+    connect ("Connection refused", seen here in 1 run of 3 with gloo).
+    """
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"attempt-{attempt}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        **kwargs,
+    )
+
+
+def _test_kill(rank: int, steps_done: int, where: str) -> None:
+    """The restart test's hook: kill this rank with SIGKILL where ``TRAIN_TEST_KILL`` says.
+
+    ``TRAIN_TEST_KILL="attempt:rank:steps:where,..."``: after that many steps (``step``), or
+    inside the save that follows them, after its files are written and before the checkpoint
+    is published (``save``), in the given torchrun attempt (``TORCHELASTIC_RESTART_COUNT``).
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    for spec in filter(None, os.environ.get("TRAIN_TEST_KILL", "").split(",")):
+        if spec.split(":") == [attempt, str(rank), str(steps_done), where]:
+            if where == "step":
+                os.kill(os.getpid(), signal.SIGKILL)
+            os.environ["CHECKPOINT_IO_TEST_KILL_IN_SAVE"] = "1"
+
+
+def _end(code: int) -> None:
+    """Leave without the interpreter's C++ teardown, once everything is done and flushed.
+
+    The process group is destroyed by then; what is left is torch's static destructors, and
+    with gloo one of them aborts now and then ("terminate called without an active
+    exception", SIGABRT after the last line was printed: 4 of 70 runs here under load). An
+    abort would turn a finished run into a failed one for torchrun (and restart it).
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as stop:  # a SIGTERM save (code 0), or an argparse error (code 2)
+        if not isinstance(stop.code, (int, type(None))):
+            raise
+        _end(stop.code or 0)
+    _end(0)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import warnings
 from pathlib import Path
 from typing import Any
@@ -13,7 +16,14 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from checkpoint_io import CheckpointError, full_state_dict, load_checkpoint, save_checkpoint
+from checkpoint_io import (
+    CheckpointError,
+    CheckpointManager,
+    async_save_checkpoint,
+    full_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+)
 from dist_harness import rank_device
 
 
@@ -196,4 +206,97 @@ def everything(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         )
         and torch.equal(torch.get_rng_state(), rng)
     )
+    if world_size == 2:  # the long-run checks name rank 1
+        out.update(long_runs(rank, world_size, folder))
+    return out
+
+
+class PoisonOnRank1:
+    """An object that rank 1 cannot write: pickling it fails there (in the background)."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PoisonOnRank1:  # staging copies it
+        return PoisonOnRank1()
+
+    def __reduce__(self) -> Any:
+        if dist.get_rank() == 1:
+            raise OSError("disk full (simulated on rank 1)")
+        return (PoisonOnRank1, ())
+
+
+class Poisoned:
+    """A stateful object whose state only fails when it is written, not when it is staged."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {f"rank{dist.get_rank()}": PoisonOnRank1()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def long_runs(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """Per-rank digests, async save, an async failure, SIGTERM (2 ranks, FSDP2)."""
+    root = Path(folder) / "long"
+    out: dict[str, Any] = {}
+    model = build("fsdp", seed=3)
+    opt, sched = optimizer_for(model)
+    train(model, opt, sched, rank, range(2))
+
+    # Each rank hashed what it wrote; a damaged shard of rank 1 is caught, on every rank.
+    path = save_checkpoint(root / "sync", model, opt, step=2)
+    files = json.loads((path / "checkpoint.json").read_text())["files"]
+    out["files"] = sorted(files)
+    if rank == 0:
+        data = path / "__1_0.distcp"
+        damaged = bytearray(data.read_bytes())
+        damaged[len(damaged) // 2] ^= 0xFF  # same size: only the digest can tell
+        (root / "damaged").mkdir()
+        for item in path.rglob("*"):
+            if item.is_file():
+                target = root / "damaged" / item.relative_to(path)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(bytes(damaged) if item == data else item.read_bytes())
+    dist.barrier()
+    try:
+        load_checkpoint(root / "damaged", build("fsdp", seed=4))
+        out["damaged"] = "no error"
+    except CheckpointError as error:
+        out["damaged"] = str(error)
+
+    # Async: the state is staged when the call returns; the next steps do not leak into it.
+    staged = full(model)
+    pending = async_save_checkpoint(root / "async", model, opt, step=2)
+    train(model, opt, sched, rank, range(2, 3))
+    out["async_path"] = pending.wait().name
+    probe = build("fsdp", seed=5)
+    load_checkpoint(root / "async", probe)
+    out["async_is_staged_state"] = same(full(probe), staged, exact=True)
+    out["async_moved_on"] = not same(full(model), staged, exact=True)
+
+    # An async save that fails on rank 1 only: every rank raises at wait(); nothing published.
+    pending = async_save_checkpoint(
+        root / "async", model, opt, step=3, stateful={"poison": Poisoned()}, overwrite=True
+    )
+    try:
+        pending.wait()
+        out["async_failure"] = "no error"
+    except CheckpointError as error:
+        out["async_failure"] = str(error)
+    dist.barrier()
+    out["async_old_kept"] = load_checkpoint(root / "async", build("fsdp", seed=6)).step == 2
+    out["async_leftovers"] = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+
+    # SIGTERM on rank 1 alone: both ranks save at the same step and exit with code 0.
+    manager = CheckpointManager(root / "run", every=5, keep_last=1, on_sigterm=True)
+    steps_done = 0
+    try:
+        for step in range(3, 10):
+            train(model, opt, sched, rank, range(step, step + 1))
+            steps_done = step + 1
+            if rank == 1 and step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+            manager.maybe_save(steps_done, model, opt)
+        out["sigterm"] = "no exit"
+    except SystemExit as stop:
+        out["sigterm"] = (stop.code, steps_done, manager.latest().name)  # type: ignore[union-attr]
+    out["handler_restored"] = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     return out

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,12 +17,16 @@ from torch import nn
 import checkpoint_workers as workers
 from checkpoint_io import (
     CheckpointError,
+    CheckpointManager,
+    async_save_checkpoint,
     consolidate_checkpoint,
     full_state_dict,
+    latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
 from dist_harness import run_ranks, two_rank_backends
+from replica_init import state_fingerprint
 
 
 @pytest.fixture(scope="module", params=two_rank_backends())
@@ -127,7 +133,12 @@ class TestOneProcess:
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
         info = load_checkpoint(path, fresh, fresh_opt)
         assert info.step == 3 and info.extra == {"a": [1]}
-        assert info.fingerprint == manifest["fingerprint"]
+        assert info.fingerprint is None  # format 2: no gathered fingerprint at save time
+        assert manifest["format_version"] == 2
+        assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "rng/rank0.pt"]
+        for name, entry in manifest["files"].items():
+            assert entry["bytes"] == (path / name).stat().st_size and entry["rank"] == 0
+            assert entry["sha256"] == hashlib.sha256((path / name).read_bytes()).hexdigest()
         assert fresh_opt.param_groups[0]["lr"] == 0.1
         for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
             assert torch.equal(a, b)
@@ -222,14 +233,21 @@ class TestOneProcess:
         model, _ = _trained()
         path = save_checkpoint(tmp_path / "c", model)
         manifest = json.loads((path / "checkpoint.json").read_text())
-        (path / "checkpoint.json").write_text(json.dumps({**manifest, "fingerprint": "0" * 64}))
+        data = path / "__0_0.distcp"
+        content = bytearray(data.read_bytes())
+        content[-10] ^= 0x01  # one bit, same size: a digest catches it, a size check cannot
+        data.write_bytes(bytes(content))
         target = Small()
         before = {k: v.clone() for k, v in target.state_dict().items()}
-        with pytest.raises(CheckpointError, match="verification failed"):
+        with pytest.raises(CheckpointError, match="verification failed.*__0_0.distcp has sha256"):
             load_checkpoint(path, target)
         assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
-        load_checkpoint(path, target, verify=False)  # in place
-        assert torch.equal(target.body.weight, model.body.weight)
+        assert latest_checkpoint(tmp_path) is None  # not a step-<N> directory
+        data.write_bytes(bytes(content) + b"x")  # DCP's index cannot tell; the table can
+        with pytest.raises(CheckpointError, match="__0_0.distcp is .* bytes, .* were written"):
+            load_checkpoint(path, target, verify=False)  # sizes are checked even so
+        data.write_bytes(bytes(content))
+        load_checkpoint(path, target, verify=False)  # in place, no digest
         (path / "checkpoint.json").write_text(json.dumps({**manifest, "format_version": 99}))
         with pytest.raises(CheckpointError, match="newer than this checkpoint-io reads"):
             load_checkpoint(path, target)
@@ -254,6 +272,138 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+class TestLongRuns:
+    def test_keep_last_and_latest(self, tmp_path: Path) -> None:
+        model, optimizer = _trained()
+        for async_save in (False, True):
+            root = tmp_path / f"async-{async_save}"
+            manager = CheckpointManager(root, every=2, keep_last=2, async_save=async_save)
+            saved = [manager.maybe_save(step, model, optimizer) for step in range(1, 10)]
+            manager.wait()
+            assert [p.name if p else None for p in saved] == [
+                None,
+                "step-2",
+                None,
+                "step-4",
+                None,
+                "step-6",
+                None,
+                "step-8",
+                None,
+            ]
+            assert manager.maybe_save(9, model, force=True) == root / "step-9"
+            manager.wait()
+            assert sorted(p.name for p in root.iterdir()) == ["step-8", "step-9"]
+            assert manager.latest() == latest_checkpoint(root) == root / "step-9"
+
+    def test_latest_skips_partial_and_damaged(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        model, optimizer = _trained()
+        manager = CheckpointManager(tmp_path, every=1)
+        for step in (1, 2, 3):
+            manager.maybe_save(step, model, optimizer)
+        assert manager.latest() == tmp_path / "step-3"
+        data = tmp_path / "step-3" / "__0_0.distcp"
+        data.write_bytes(data.read_bytes()[:100])  # truncated, as by a kill mid-copy
+        (tmp_path / "step-2" / "checkpoint.json").unlink()  # never published
+        (tmp_path / ".step-4.partial-0123abcd").mkdir()  # a save that never finished
+        (tmp_path / "step-5").mkdir()  # an empty directory
+        with caplog.at_level("WARNING", logger="checkpoint_io"):
+            assert latest_checkpoint(tmp_path) == tmp_path / "step-1"
+        assert "skipping" in caplog.text and "step-3" in caplog.text
+        fresh = Small()
+        assert CheckpointManager(tmp_path, every=1).resume(fresh) == 1
+        assert torch.equal(fresh.body.weight, model.body.weight)
+        assert not (tmp_path / ".step-4.partial-0123abcd").exists()  # resume removed it
+        assert CheckpointManager(tmp_path / "none", every=1).resume(Small()) == 0
+
+    def test_async_save_in_one_process(self, tmp_path: Path) -> None:
+        model, optimizer = _trained()
+        staged = {k: v.clone() for k, v in model.state_dict().items()}
+        pending = async_save_checkpoint(tmp_path / "a", model, optimizer, step=1)
+        with torch.no_grad():
+            model.body.weight.add_(1.0)  # the step after the call
+        assert pending.wait() == tmp_path / "a" and pending.done()
+        again = async_save_checkpoint(tmp_path / "b", model, step=2)
+        save_checkpoint(tmp_path / "c", model, step=3)  # waits for the one in flight
+        assert again.done() and (tmp_path / "b" / "checkpoint.json").is_file()
+        loaded = Small()
+        load_checkpoint(tmp_path / "a", loaded)
+        assert all(torch.equal(staged[k], v) for k, v in loaded.state_dict().items())
+
+    @pytest.mark.parametrize(
+        ("kwargs", "error", "match"),
+        [
+            ({"every": 0}, ValueError, "every must be >= 1, got 0"),
+            ({"every": 2.5}, TypeError, "every must be an int, got float"),
+            ({"every": 1, "keep_last": 0}, ValueError, "keep_last must be >= 1, got 0"),
+            ({"every": 1, "async_save": "yes"}, TypeError, "async_save must be a bool"),
+        ],
+    )
+    def test_bad_manager_arguments(
+        self, tmp_path: Path, kwargs: dict[str, Any], error: type[Exception], match: str
+    ) -> None:
+        with pytest.raises(error, match=match):
+            CheckpointManager(tmp_path, **kwargs)
+
+    def test_root_that_is_a_file(self, tmp_path: Path) -> None:
+        file = tmp_path / "f"
+        file.write_text("")
+        with pytest.raises(NotADirectoryError, match="root=.* is a file; pass a directory"):
+            CheckpointManager(file, every=1)
+        with pytest.raises(NotADirectoryError, match="is a file"):
+            latest_checkpoint(file)
+        with pytest.raises(ValueError, match="step must be an int >= 0"):
+            CheckpointManager(tmp_path, every=1).maybe_save(-1, Small())
+
+    def test_sigterm_in_one_process(self, tmp_path: Path) -> None:
+        model, optimizer = _trained()
+        before = signal.getsignal(signal.SIGTERM)
+        manager = CheckpointManager(tmp_path, every=100, on_sigterm=True)
+        assert manager.maybe_save(1, model, optimizer) is None
+        signal.raise_signal(signal.SIGTERM)  # caught: training goes on to the next save point
+        with pytest.raises(SystemExit) as stop:
+            manager.maybe_save(2, model, optimizer)
+        assert stop.value.code == 0 and manager.latest() == tmp_path / "step-2"
+        assert signal.getsignal(signal.SIGTERM) is before
+
+    def test_a_dropped_manager_does_not_swallow_sigterm(self, tmp_path: Path) -> None:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import gc, os, signal\n"
+                "from checkpoint_io import CheckpointManager\n"
+                f"m = CheckpointManager({str(tmp_path)!r}, every=1, on_sigterm=True)\n"
+                "del m; gc.collect()\n"
+                "os.kill(os.getpid(), signal.SIGTERM)\n"
+                "print('still running')\n",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert out.returncode == -signal.SIGTERM and "still running" not in out.stdout
+
+    def test_format_1_still_loads_and_verifies(self, tmp_path: Path) -> None:
+        """A checkpoint of the previous format: a gathered fingerprint, no file table."""
+        model, _ = _trained()
+        path = save_checkpoint(tmp_path / "c", model)
+        manifest = json.loads((path / "checkpoint.json").read_text())
+        shown = _cli("inspect", str(path), "--fingerprint")
+        fingerprint = shown.stdout.strip().splitlines()[-1].split()[-1]
+        assert fingerprint == state_fingerprint(sorted(model.state_dict().items()))
+        del manifest["files"]
+        old = {**manifest, "format_version": 1, "fingerprint": fingerprint}
+        (path / "checkpoint.json").write_text(json.dumps(old))
+        assert load_checkpoint(path, Small()).fingerprint == fingerprint
+        (path / "checkpoint.json").write_text(json.dumps({**old, "fingerprint": "0" * 64}))
+        with pytest.raises(CheckpointError, match="verification failed.*fingerprint"):
+            load_checkpoint(path, Small())
+
+
 def test_cli(tmp_path: Path) -> None:
     model, optimizer = _trained()
     path = save_checkpoint(tmp_path / "c", model, optimizer, step=5)
@@ -267,3 +417,39 @@ def test_cli(tmp_path: Path) -> None:
     done = _cli("consolidate", str(path), str(tmp_path / "one.pt"))
     assert done.returncode == 0, done.stderr
     assert torch.load(tmp_path / "one.pt", weights_only=True)["step"] == 5
+
+
+@pytest.mark.multiprocess
+def test_each_rank_hashes_its_own_files_and_a_damaged_shard_is_caught(two_ranks: Any) -> None:
+    results, _ = two_ranks
+    for rank in results:
+        assert rank["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"] + [
+            f"rng/rank{r}.pt" for r in range(2)
+        ]
+        assert "verification failed" in rank["damaged"], rank["damaged"]
+    # rank 1 hashed __1_0.distcp and found it changed; rank 0 learned it from rank 1
+    assert "__1_0.distcp has sha256" in results[1]["damaged"]
+    assert results[0]["damaged"].startswith("verifying") and "rank(s) [1]" in results[0]["damaged"]
+
+
+@pytest.mark.multiprocess
+def test_async_save_stages_then_writes(two_ranks: Any) -> None:
+    results, _ = two_ranks
+    for rank in results:
+        assert rank["async_path"] == "async"
+        assert rank["async_is_staged_state"] is True  # the step after the call is not in it
+        assert rank["async_moved_on"] is True
+        assert rank["async_old_kept"] is True  # the failed save published nothing
+        assert rank["async_leftovers"] == []  # nor left a temporary directory
+    assert "disk full (simulated on rank 1)" in results[1]["async_failure"]
+    for rank in results:
+        assert "failed on rank(s) [1]; rank 1: OSError: disk full" in rank["async_failure"]
+        assert "Traceback" not in rank["async_failure"]
+
+
+@pytest.mark.multiprocess
+def test_sigterm_on_one_rank_saves_on_every_rank_and_exits_0(two_ranks: Any) -> None:
+    results, _ = two_ranks
+    for rank in results:
+        assert rank["sigterm"] == (0, 5, "step-5")  # rank 1 got it after step 5; not a multiple
+        assert rank["handler_restored"] is True

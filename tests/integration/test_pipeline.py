@@ -96,8 +96,9 @@ def test_uninitialized_process_group() -> None:
     )
 
 
-@pytest.mark.multiprocess
-def _example(*args: str) -> subprocess.CompletedProcess[str]:
+def _example(
+    *args: str, torchrun: tuple[str, ...] = (), env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
         [
             sys.executable,
@@ -106,6 +107,7 @@ def _example(*args: str) -> subprocess.CompletedProcess[str]:
             "--standalone",
             "--nproc-per-node",
             "2",
+            *torchrun,
             str(EXAMPLE),
             *args,
         ],
@@ -113,10 +115,16 @@ def _example(*args: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=180,
         check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def _final(result: subprocess.CompletedProcess[str], what: str) -> str:
+    lines = [line for line in result.stdout.splitlines() if f"final {what}" in line]
+    assert len(lines) == 1, result.stdout
+    return lines[0].rsplit(" ", 1)[1]
 
 
 def _final_sum(result: subprocess.CompletedProcess[str]) -> float:
@@ -160,6 +168,31 @@ def test_example_trainer_under_torchrun(tmp_path: Path) -> None:
     resumed = _example("--strategy", "ddp", "--steps", "4", "--resume", str(ckpt), *clip)
     assert "step 0:" not in resumed.stdout and "step 2:" in resumed.stdout
     assert _final_sum(resumed) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_killed_and_restarted_run_ends_at_the_uninterrupted_weights(tmp_path: Path) -> None:
+    """torchrun --max-restarts 3, a rank SIGKILLed three times: after 3 steps (rank 1), inside
+    the save after 6 steps (rank 1: files written, not published), after 7 steps (rank 0).
+    Each attempt resumes from the latest complete checkpoint by itself; the run ends at the
+    uninterrupted run's weights, bit for bit."""
+    common = ("--strategy", "fsdp", "--steps", "10", "--ckpt-every", "2", "--keep-last", "2")
+    common += ("--async-save", "--pg-timeout-s", "20")
+    straight = _example(*common, "--ckpt-dir", str(tmp_path / "straight"))
+    kills = "0:1:3:step,1:1:6:save,2:0:7:step"  # attempt:rank:steps done:where
+    restarted = _example(
+        *common,
+        "--ckpt-dir",
+        str(tmp_path / "restarted"),
+        torchrun=("--max-restarts", "3"),
+        env={"TRAIN_TEST_KILL": kills},
+    )
+    assert _final(restarted, "fingerprint") == _final(straight, "fingerprint")
+    log = restarted.stderr
+    assert log.count("(exitcode: -9)") == 3, log[-3000:]  # three kills, three restarts
+    assert "left by a save that did not finish" in log  # the killed save's directory
+    assert "resuming from" in log
+    assert sorted(p.name for p in (tmp_path / "restarted").iterdir()) == ["step-10", "step-8"]
 
 
 @pytest.mark.multiprocess

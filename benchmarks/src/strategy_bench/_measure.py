@@ -104,7 +104,7 @@ def _build(point: _Point, out: dict[str, Any]) -> nn.Module:
     with MemoryPeak(device) as peak:
         out["init_ms"], built = timed_ms(lambda: build_replicated_model(**build), device)
     _record_init(out, "init", peak, device)
-    model: nn.Module = built  # type: ignore[assignment]
+    model: nn.Module = built
     if dist.get_world_size() > 1:  # at one rank, rank 0's build is the local build
         with MemoryPeak(device) as peak:
             out["init_rank0_ms"], other = timed_ms(lambda: _build_rank0(point, build), device)

@@ -86,7 +86,7 @@ def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     header = (
         "| model | strategy | knobs | step ms (p10-p90) | samples/s | MFU | params / grads / "
         "optimizer / DDP buckets / activations MiB per rank | comm MiB per step | "
-        "ckpt save / raw / load ms |"
+        "ckpt save / raw / load / async stall ms |"
     )
     lines = [header, "|" + " --- |" * 9]
     for row in rows:
@@ -102,6 +102,11 @@ def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         )
         ckpt = (
             f"{row['ckpt_save_ms']:.0f} / {row['raw_ckpt_save_ms']:.0f} / {row['ckpt_load_ms']:.0f}"
+            + (
+                f" / {row['ckpt_async_stall_ms']:.0f}"
+                if row.get("ckpt_async_stall_ms") is not None
+                else ""
+            )
             if row.get("ckpt_save_ms") is not None
             else "-"
         )

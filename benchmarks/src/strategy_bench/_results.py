@@ -169,6 +169,7 @@ def merge_ranks(
         "ckpt_save_ms": _max_or_none(per_rank, "ckpt_save_ms"),
         "raw_ckpt_save_ms": _max_or_none(per_rank, "raw_ckpt_save_ms"),
         "ckpt_load_ms": _max_or_none(per_rank, "ckpt_load_ms"),
+        "ckpt_async_stall_ms": _max_or_none(per_rank, "ckpt_async_stall_ms"),
         "ckpt_bytes": per_rank[0].get("ckpt_bytes"),
         "ckpt_error": per_rank[0].get("ckpt_error"),
         **{

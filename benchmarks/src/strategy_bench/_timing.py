@@ -5,9 +5,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+_T = TypeVar("_T")
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -69,7 +72,7 @@ def time_steps(
     return times
 
 
-def timed_ms(fn: Callable[[], object], device: torch.device) -> tuple[float, object]:
+def timed_ms(fn: Callable[[], _T], device: torch.device) -> tuple[float, _T]:
     """Run ``fn`` once between barriers (and CUDA syncs); its wall time in ms and its result."""
     dist.barrier()
     if device.type == "cuda":

@@ -1,18 +1,26 @@
-"""Save and resume across DDP, FSDP2, world sizes and one process (on DCP)."""
+"""Save and resume across DDP, FSDP2, world sizes and one process (on DCP), for long runs."""
 
 from __future__ import annotations
 
+from checkpoint_io._async import async_save_checkpoint
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._full import consolidate_checkpoint, full_state_dict
+from checkpoint_io._inflight import PendingCheckpoint
+from checkpoint_io._latest import latest_checkpoint
 from checkpoint_io._load import load_checkpoint
+from checkpoint_io._manager import CheckpointManager
 from checkpoint_io._manifest import CheckpointInfo
 from checkpoint_io._save import save_checkpoint
 
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointManager",
+    "PendingCheckpoint",
+    "async_save_checkpoint",
     "consolidate_checkpoint",
     "full_state_dict",
+    "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
 ]

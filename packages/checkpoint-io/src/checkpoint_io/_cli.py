@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._full import consolidate_checkpoint
+from checkpoint_io._full import consolidate_checkpoint, model_fingerprint
 from checkpoint_io._manifest import read_manifest
 
 USAGE_EXIT = 2
@@ -30,13 +30,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     inspect = commands.add_parser("inspect", help="the manifest and a table of the tensors")
     inspect.add_argument("path", type=Path)
+    inspect.add_argument(
+        "--fingerprint",
+        action="store_true",
+        help="also read the whole model (one process) and print its strategy-independent "
+        "fingerprint, the value replica_init.state_fingerprint gives for the full state",
+    )
     consolidate = commands.add_parser("consolidate", help="one torch.save file of plain tensors")
     consolidate.add_argument("path", type=Path)
     consolidate.add_argument("out", type=Path)
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
-            _inspect(args.path)
+            _inspect(args.path, fingerprint=args.fingerprint)
         else:
             out = consolidate_checkpoint(args.path, args.out)
             sys.stdout.write(f"wrote {out}\n")
@@ -46,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _inspect(path: Path) -> None:
+def _inspect(path: Path, *, fingerprint: bool) -> None:
     manifest = read_manifest(path)
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
@@ -64,3 +70,5 @@ def _inspect(path: Path) -> None:
     for name, shape, dtype in rows:
         out.write(f"{name:<{width}}  {shape:<16}  {dtype}\n")
     out.write(f"{len(rows)} tensors\n")
+    if fingerprint:
+        out.write(f"fingerprint {model_fingerprint(path)}\n")

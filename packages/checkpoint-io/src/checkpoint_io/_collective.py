@@ -9,14 +9,15 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from checkpoint_io._compat import default_group_timeout
 from checkpoint_io._errors import CheckpointError
 from dist_core import is_distributed, rank
 
 _T = TypeVar("_T")
 
 
-def agree(error: BaseException | None, what: str) -> None:
-    """Raise on every rank if ``error`` happened on any rank (collective).
+def agree(error: BaseException | None, what: str, group: dist.ProcessGroup | None = None) -> None:
+    """Raise on every rank if ``error`` happened on any rank (collective over ``group``).
 
     The failing rank re-raises its own error; the others raise the same type
     (``FileNotFoundError``, ``FileExistsError`` or :class:`CheckpointError`) naming that rank.
@@ -27,7 +28,7 @@ def agree(error: BaseException | None, what: str) -> None:
         return
     report = None if error is None else (type(error).__name__, str(error))
     reports: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report)
+    dist.all_gather_object(reports, report, group=group)
     if error is not None:
         raise error
     failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
@@ -39,13 +40,48 @@ def agree(error: BaseException | None, what: str) -> None:
         )
 
 
-def from_rank0(value: _T) -> _T:
+def from_rank0(value: _T, group: dist.ProcessGroup | None = None) -> _T:
     """Rank 0's ``value`` on every rank (itself without a process group)."""
     if not is_distributed():
         return value
     box = [value if rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]  # type: ignore[return-value]
+
+
+def gather_to_all(value: _T, group: dist.ProcessGroup | None = None) -> list[_T]:
+    """Every rank's ``value``, by rank, on every rank (``[value]`` without a process group)."""
+    if not is_distributed():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def gloo_group(purpose: str) -> dist.ProcessGroup | None:
+    """A gloo group over every rank, one per ``purpose`` and default group (collective).
+
+    Background saves run their collectives on ``gloo_group("background")``, never interleaved
+    with the training loop's on the default group; the SIGTERM agreement uses its own. Made
+    the first time (every rank must call it then), with the default group's timeout. ``None``
+    without a process group.
+    """
+    if not is_distributed():
+        return None
+    default = dist.group.WORLD
+    made = _GROUPS.get(purpose)
+    if made is None or made[0] is not default:
+        timeout = default_group_timeout()
+        made = (default, dist.new_group(backend="gloo", timeout=timeout))
+        _GROUPS[purpose] = made
+    group: dist.ProcessGroup | None = made[1]
+    return group
+
+
+_GROUPS: dict[str, tuple[Any, Any]] = {}  # purpose -> (the default group, the gloo group)
+
+
+_SINGLE_PROCESS_NOTICE = ".*assuming the intent is to"
 
 
 @contextlib.contextmanager
@@ -53,7 +89,16 @@ def single_process_quiet() -> Iterator[None]:
     """Without a process group, DCP warns that it assumes one process: that is the intent."""
     with warnings.catch_warnings():
         if not is_distributed():
-            warnings.filterwarnings(
-                "ignore", message=".*assuming the intent is to", category=UserWarning
-            )
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE, category=UserWarning)
         yield
+
+
+def quiet_single_process_notice_in_background() -> None:
+    """Ignore DCP's one-process notice from now on (without a process group only).
+
+    A background save warns from DCP's own thread after the caller has moved on, where a
+    ``catch_warnings`` block cannot reach (and is not thread-safe), so this one notice, which
+    states what checkpoint-io intends, is filtered for the process.
+    """
+    if not is_distributed():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE, category=UserWarning)

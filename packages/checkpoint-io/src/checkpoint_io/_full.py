@@ -41,6 +41,28 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     return {k: v.detach().cpu() for k, v in state.items()}
 
 
+def model_fingerprint(path: str | os.PathLike[str]) -> str:
+    """The full model state's ``replica_init.state_fingerprint``, read offline (one process).
+
+    Strategy-independent: the same for a checkpoint saved under DDP, FSDP or one process
+    when the weights are the same. Reads the whole model into host memory.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+        CheckpointError: If it is not a readable checkpoint.
+    """
+    root = Path(os.fspath(path))
+    read_manifest(root)
+    return _state.local_fingerprint(_read_whole(root).get(_state.MODEL, {}))
+
+
+def _read_whole(root: Path) -> dict[str, Any]:
+    try:
+        return _compat.load_whole(root)
+    except (Exception, _compat.CheckpointException) as error:  # the latter: a BaseException
+        raise CheckpointError(f"reading {str(root)!r} failed ({error})") from None
+
+
 def consolidate_checkpoint(path: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:
     """Write one ``torch.save`` file of plain tensors from a checkpoint (offline, one process).
 
@@ -62,10 +84,7 @@ def consolidate_checkpoint(path: str | os.PathLike[str], out_file: str | os.Path
     """
     root = Path(os.fspath(path))
     manifest = read_manifest(root)
-    try:
-        everything = _compat.load_whole(root)
-    except (Exception, _compat.CheckpointException) as error:  # the latter: a BaseException
-        raise CheckpointError(f"reading {str(root)!r} failed ({error})") from None
+    everything = _read_whole(root)
     optimizer = everything.get(_state.OPTIM)
     if optimizer is not None:
         groups = optimizer["param_groups"]

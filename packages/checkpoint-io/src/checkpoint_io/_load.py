@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from checkpoint_io import _state
 from checkpoint_io._collective import agree, single_process_quiet
 from checkpoint_io._compat import CheckpointException
+from checkpoint_io._digest import check_digests, check_sizes, share
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._manifest import RNG_DIR, CheckpointInfo, info_from, read_manifest
 from checkpoint_io._save import PathLike, check_stateful
@@ -52,9 +54,11 @@ def load_checkpoint(
         strict: Refuse missing or unexpected model keys; ``False`` loads the shared keys.
         rng: Restore the RNG states when the world size is the one that saved (rank r gets
             rank r's state); otherwise they are left alone and a warning is logged.
-        verify: Check that the loaded model state has the fingerprint that was saved. The
-            state is then read into fresh tensors, checked, and only then copied into the
-            model, so that any failure leaves everything unchanged. ``verify=False`` reads in
+        verify: Check every file against the size and sha256 recorded when it was written
+            (the files are split among the ranks: each rank hashes its share while DCP reads,
+            O(checkpoint / world) per rank). The state is then read into fresh tensors,
+            checked, and only then copied into the model, so that any failure leaves
+            everything unchanged. ``verify=False`` reads in
             place (no second copy of the model and optimizer state in memory, as fast as raw
             DCP): every check that needs no data (keys, shapes, dtypes, file sizes) still runs
             first, but an I/O error in the middle of the read itself can leave the model
@@ -87,6 +91,8 @@ def load_checkpoint(
     except Exception as error:
         failure = error
     agree(failure, f"reading {str(root)!r}")
+    manifest = plan["manifest"]
+    checking = _start_verification(root, manifest) if verify else None
     try:
         with single_process_quiet():
             dcp_load(plan["target"], checkpoint_id=str(root))
@@ -95,16 +101,18 @@ def load_checkpoint(
             f"reading {str(root)!r} failed: the checkpoint is truncated or corrupt "
             f"({_first_line(error)})"
         ) from None
-    manifest = plan["manifest"]
+    finally:
+        failure = _verification_result(checking)
     loaded = plan["target"][_state.MODEL]
-    if verify and plan["complete"]:
+    if checking is None and verify and plan["complete"]:  # format 1: the gathered fingerprint
         found = _state.fingerprint(loaded)
         if found != manifest["fingerprint"]:
-            raise CheckpointError(
+            failure = CheckpointError(
                 f"verification failed for {str(root)!r}: the loaded model state has fingerprint "
                 f"{found[:16]}, the checkpoint recorded {manifest['fingerprint'][:16]}; the files "
                 "were changed or damaged after saving. Nothing was loaded"
             )
+    agree(failure, f"verifying {str(root)!r}")
     # Everything read and checked on every rank: now change the model, optimizer, RNG.
     if verify:  # read into fresh tensors: copy them in (in place, they are the model's own)
         set_model_state_dict(model, loaded, options=StateDictOptions(strict=strict))
@@ -153,6 +161,8 @@ def _prepare(
             f"{str(root)!r} is damaged: its DCP metadata cannot be read ({_first_line(error)})"
         ) from None
     _state.check_files(root, metadata)
+    if manifest.get("files"):
+        check_sizes(root, manifest["files"])
     current = _state.model_state(model)
     keys = _state.check_model_keys(current, metadata, strict=strict)
     target: dict[str, Any] = {
@@ -184,6 +194,33 @@ def _prepare(
         "complete": len(keys) == len(current) == len(_state.saved_entries(metadata, _state.MODEL)),
         "rng": _rng_state(root, manifest) if rng else None,
     }
+
+
+# Hashes this rank's share of the files while DCP reads them (hashing releases the GIL).
+_VERIFIER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify")
+
+
+def _start_verification(
+    root: Path, manifest: Mapping[str, Any]
+) -> concurrent.futures.Future[None] | None:
+    """Hash this rank's share of the recorded files in the background (``None``: format 1)."""
+    files = manifest.get("files")
+    if not files:
+        return None
+    mine = share(files, rank(), world_size())
+    return _VERIFIER.submit(check_digests, root, files, mine)
+
+
+def _verification_result(
+    checking: concurrent.futures.Future[None] | None,
+) -> BaseException | None:
+    if checking is None:
+        return None
+    try:
+        checking.result()
+    except Exception as error:
+        return error
+    return None
 
 
 def _rng_state(root: Path, manifest: Mapping[str, Any]) -> RngState | None:

@@ -10,8 +10,10 @@ from typing import Any
 from checkpoint_io._errors import CheckpointError
 
 FORMAT = "checkpoint_io"
-FORMAT_VERSION = 1
+# 2: a table of every file's size and sha256 ("files") replaces the gathered model fingerprint.
+FORMAT_VERSION = 2
 MANIFEST = "checkpoint.json"
+METADATA_FILE = ".metadata"  # DCP's own index, written by the coordinator
 RNG_DIR = "rng"
 
 
@@ -25,7 +27,10 @@ class CheckpointInfo:
         world_size: Ranks that wrote the checkpoint.
         strategy: ``"ddp"``, ``"fsdp"`` or ``"none"``: how the saved model was wrapped.
         torch_version: The torch that wrote it.
-        fingerprint: ``replica_init.state_fingerprint`` of the full model state saved.
+        fingerprint: ``replica_init.state_fingerprint`` of the full model state, for
+            checkpoints of format 1, which gathered the model to compute it. ``None`` for
+            format 2: saves no longer gather, and the same value is computed offline by
+            ``python -m checkpoint_io inspect PATH --fingerprint``.
         path: The checkpoint directory.
     """
 
@@ -34,7 +39,7 @@ class CheckpointInfo:
     world_size: int
     strategy: str
     torch_version: str
-    fingerprint: str
+    fingerprint: str | None
     path: Path
 
 
@@ -82,6 +87,6 @@ def info_from(manifest: dict[str, Any], path: Path) -> CheckpointInfo:
         world_size=int(manifest["world_size"]),
         strategy=str(manifest["strategy"]),
         torch_version=str(manifest["torch_version"]),
-        fingerprint=str(manifest["fingerprint"]),
+        fingerprint=str(manifest["fingerprint"]) if manifest.get("fingerprint") else None,
         path=path,
     )

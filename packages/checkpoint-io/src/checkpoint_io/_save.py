@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 import os
 import shutil
+import signal
 import time
 import uuid
 from collections.abc import Mapping
@@ -14,23 +14,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from checkpoint_io import _state
-from checkpoint_io._collective import agree, from_rank0, single_process_quiet
-from checkpoint_io._compat import CheckpointException
+from checkpoint_io._collective import agree, from_rank0, gather_to_all, single_process_quiet
+from checkpoint_io._compat import CheckpointException, dcp_failure
+from checkpoint_io._digest import FileTable, HashingWriter, hash_files
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._manifest import FORMAT, FORMAT_VERSION, RNG_DIR, write_manifest
+from checkpoint_io._inflight import settle_in_flight
+from checkpoint_io._manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    RNG_DIR,
+    write_manifest,
+)
 from dist_core import log_rank0, rank, strategy_of, unwrap_model, world_size
-from rng_fork import capture_rng_state
+from rng_fork import RngState, capture_rng_state
 
 logger = logging.getLogger(__name__)
 
-# One worker thread computes the fingerprint of a local (unsharded) state while DCP writes.
-_HASHER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
-
 PathLike = str | os.PathLike[str]
+# Test hook: a rank with this set to "1" kills itself with SIGKILL inside a save, after its
+# files are written and before the checkpoint is published (the restart tests use it).
+TEST_KILL_IN_SAVE = "CHECKPOINT_IO_TEST_KILL_IN_SAVE"
 
 
 def save_checkpoint(
@@ -78,15 +87,7 @@ def save_checkpoint(
         FileExistsError: If ``path`` exists and ``overwrite`` is false.
         CheckpointError: If writing failed on any rank (the rank and its error are named).
     """
-    target = _check_arguments(path, model, optimizer, step, extra, stateful)
-    exists = from_rank0(target.exists())
-    if exists and not overwrite:
-        raise FileExistsError(
-            f"{str(target)!r} already exists; pass overwrite=True to replace it (the old "
-            "checkpoint is removed only once the new one is complete), or choose a new path"
-        )
-    token = from_rank0(uuid.uuid4().hex[:12])
-    partial = target.parent / f".{target.name}.partial-{token}"
+    target, partial = begin(path, model, optimizer, step, extra, stateful, overwrite)
     started = time.perf_counter()
     try:
         _write(partial, target, model, optimizer, step, extra, stateful, rng)
@@ -117,6 +118,24 @@ def _write(
     stateful: Mapping[str, Any] | None,
     rng: bool,
 ) -> None:
+    state = collect_state(model, optimizer, stateful)
+    manifest = new_manifest(model, optimizer, step, extra, stateful, rng)
+    rng_state = capture_rng_state(_state.model_device(model)) if rng else None
+    writer = HashingWriter(partial)
+    try:
+        with single_process_quiet():
+            dcp_save(state, storage_writer=writer)
+    except CheckpointException as error:  # a BaseException: make it an Exception
+        raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
+    finish(partial, target, manifest, writer.files, rng_state)
+
+
+def collect_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    stateful: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The state DCP writes, keyed by plain names (collective: a failure raises everywhere)."""
     state: dict[str, Any] = {}
     failure: BaseException | None = None
     try:
@@ -129,7 +148,19 @@ def _write(
     except Exception as error:
         failure = error
     agree(failure, "collecting the state to save")
-    manifest: dict[str, Any] = {
+    return state
+
+
+def new_manifest(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int | None,
+    extra: Mapping[str, Any] | None,
+    stateful: Mapping[str, Any] | None,
+    rng: bool,
+) -> dict[str, Any]:
+    """``checkpoint.json`` without its file table (``finish`` adds it)."""
+    return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "step": step,
@@ -138,43 +169,78 @@ def _write(
         "torch_version": torch.__version__,
         "model_class": _state.model_class(model),
         "parameters": sum(p.numel() for p in unwrap_model(model).parameters()),
-        "fingerprint": "",
         "optimizer": optimizer is not None,
         "stateful": sorted(stateful or {}),
         "rng": rng,
         "extra": dict(extra or {}),
     }
-    model_state = state[_state.MODEL]
-    digest: concurrent.futures.Future[str] | None = None
-    if _state.is_sharded(model_state):  # gathers shards: collectives, before DCP's own
-        manifest["fingerprint"] = _state.fingerprint(model_state)
-    elif rank() == 0:  # hashing releases the GIL: overlap it with the write
-        digest = _HASHER.submit(_state.local_fingerprint, model_state)
+
+
+def finish(
+    partial: Path,
+    target: Path,
+    manifest: dict[str, Any],
+    files: FileTable,
+    rng_state: RngState | None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """After DCP wrote ``partial``: RNG files, the file table, the manifest, the rename.
+
+    Collective over ``group``: ``files`` are the entries of the data files this rank wrote;
+    every rank's are gathered to rank 0, which adds ``.metadata``, writes the manifest and
+    publishes. A failure on any rank raises on every rank and nothing is published.
+    """
+    failure: BaseException | None = None
     try:
-        with single_process_quiet():
-            dcp_save(state, checkpoint_id=str(partial))
-    except CheckpointException as error:  # a BaseException: make it an Exception
-        raise CheckpointError(f"writing {str(target)!r} failed: {error}") from None
-    finally:
-        if digest is not None:
-            manifest["fingerprint"] = digest.result()
-    failure = None
-    try:
-        if rng:
+        if rng_state is not None:
+            name = f"{RNG_DIR}/rank{rank()}.pt"
             (partial / RNG_DIR).mkdir(parents=True, exist_ok=True)
-            device = _state.model_device(model)
-            torch.save(capture_rng_state(device), partial / RNG_DIR / f"rank{rank()}.pt")
+            torch.save(rng_state, partial / name)
+            files = {**files, **hash_files(partial, [name])}
     except Exception as error:
         failure = error
-    agree(failure, "saving the RNG states")
+    agree(failure, "saving the RNG states", group)
+    if os.environ.get(TEST_KILL_IN_SAVE) == "1":  # the restart test: a kill mid-save
+        os.kill(os.getpid(), signal.SIGKILL)
+    tables = gather_to_all(files, group)
     failure = None
     if rank() == 0:
         try:
-            write_manifest(partial, manifest)
+            table: FileTable = {}
+            tables[0] = {**tables[0], **hash_files(partial, [METADATA_FILE])}
+            for writer, each in enumerate(tables):
+                table.update({name: {**entry, "rank": writer} for name, entry in each.items()})
+            write_manifest(partial, {**manifest, "files": table})
             _publish(partial, target)
         except Exception as error:
             failure = error
-    agree(failure, f"publishing {str(target)!r}")
+    agree(failure, f"publishing {str(target)!r}", group)
+
+
+def begin(
+    path: object,
+    model: object,
+    optimizer: object,
+    step: object,
+    extra: object,
+    stateful: object,
+    overwrite: bool,
+) -> tuple[Path, Path]:
+    """Check the arguments, settle a save still in flight, name the temporary sibling.
+
+    Returns:
+        ``(target, partial)``: the checkpoint directory and where it is written first.
+    """
+    target = _check_arguments(path, model, optimizer, step, extra, stateful)
+    settle_in_flight()
+    exists = from_rank0(target.exists())
+    if exists and not overwrite:
+        raise FileExistsError(
+            f"{str(target)!r} already exists; pass overwrite=True to replace it (the old "
+            "checkpoint is removed only once the new one is complete), or choose a new path"
+        )
+    token = from_rank0(uuid.uuid4().hex[:12])
+    return target, target.parent / f".{target.name}.partial-{token}"
 
 
 def _publish(partial: Path, target: Path) -> None:

@@ -277,11 +277,6 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def is_sharded(state: Mapping[str, torch.Tensor]) -> bool:
-    """Whether any tensor of ``state`` is a ``DTensor`` (its fingerprint needs collectives)."""
-    return any(isinstance(t, DTensor) for t in state.values())
-
-
 def local_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
     """``state_fingerprint`` of a state without ``DTensor``s, in this process (no collective)."""
     return state_fingerprint((name, state[name]) for name in sorted(state))
@@ -290,7 +285,8 @@ def local_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
 def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
     """``state_fingerprint`` of the full tensors of ``state``, the same on every rank (collective).
 
-    Sharded tensors are gathered one at a time (every rank takes part); rank 0 hashes.
+    Sharded tensors are gathered one at a time (every rank takes part); rank 0 hashes. Used
+    only to verify checkpoints of format 1, which recorded this value.
     """
 
     def full() -> Iterator[tuple[str, torch.Tensor]]:

@@ -69,8 +69,9 @@ def state_fingerprint(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """A digest of named tensors (a state dict's items): names, dtypes, shapes and bytes.
 
     The same per-tensor digests as :func:`model_fingerprint`, over the items in the order
-    given (pass them sorted by name to compare across processes). checkpoint-io records it
-    for the full model state it saves, and checks it after a load.
+    given (pass them sorted by name to compare across processes). checkpoint-io computes it
+    for a checkpoint's full model state offline (``python -m checkpoint_io inspect PATH
+    --fingerprint``).
 
     Args:
         tensors: ``(name, tensor)`` pairs; may be a generator, so that only one (gathered)

@@ -1,0 +1,151 @@
+"""checkpoint-io on 2 gloo ranks under DDP and FSDP2, beside raw DCP in the same rounds.
+
+A ~50 MB model (12.6 M fp32 parameters) with its AdamW state; each side runs in alternating
+rounds on the same ranks, timed from a barrier to a barrier (the slowest rank's time):
+
+- save: ``save_checkpoint`` vs ``get_state_dict`` + ``dcp.save``;
+- verified load: ``load_checkpoint`` (the default, every file's digest checked) vs
+  ``dcp.load`` + ``set_state_dict``;
+- async stall: what ``async_save_checkpoint`` holds the training loop (staging) vs a
+  synchronous ``save_checkpoint``; the background write is waited for outside the timing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from microbench_models import RunnerModel
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from checkpoint_io import async_save_checkpoint, load_checkpoint, save_checkpoint
+
+ROUNDS = 6
+STRATEGIES = ("ddp", "fsdp")
+
+
+def group(strategy: str, case: str) -> str:
+    """The name a case is reported (and judged) under."""
+    return f"checkpoint-io, 2 ranks, {strategy.upper()}: {case}"
+
+
+CASES = {
+    "save": "save vs get_state_dict + dcp.save",
+    "load": "load, verified, vs dcp.load + set_state_dict",
+    "stall": "async save stall vs a synchronous save",
+}
+
+
+def _trained(strategy: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model: torch.nn.Module = RunnerModel(width=512, depth=6)
+    if strategy == "ddp":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model = DistributedDataParallel(model)
+    else:
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(4, 512)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _sides(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path
+) -> dict[str, dict[str, Callable[[], object]]]:
+    def raw_save() -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / "raw"))
+
+    def ours_save() -> None:
+        save_checkpoint(folder / "ours", model, optimizer, step=1, overwrite=True)
+
+    def raw_load() -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / "raw-kept"))
+        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+    def ours_load() -> None:
+        load_checkpoint(folder / "ours-kept", model, optimizer)
+
+    def async_stall() -> Any:
+        return async_save_checkpoint(folder / "async", model, optimizer, step=1, overwrite=True)
+
+    return {
+        "save": {"raw": raw_save, "ours": ours_save},
+        "load": {"raw": raw_load, "ours": ours_load},
+        "stall": {"raw": ours_save, "ours": async_stall},
+    }
+
+
+def _rank(rank: int, store: str, folder: str, queue: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, 2),
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    try:
+        times: dict[str, dict[str, list[float]]] = {}
+        for strategy in STRATEGIES:
+            root = Path(folder) / strategy
+            model, optimizer = _trained(strategy)
+            save_checkpoint(root / "ours-kept", model, optimizer, step=1)
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "raw-kept"))
+            for case, sides in _sides(model, optimizer, root).items():
+                measured: dict[str, list[float]] = {"raw": [], "ours": []}
+                for index in range(ROUNDS + 1):  # round 0 warms up
+                    for side in ("raw", "ours") if index % 2 == 0 else ("ours", "raw"):
+                        dist.barrier()
+                        begin = time.perf_counter()
+                        result = sides[side]()
+                        dist.barrier()  # the slowest rank's time
+                        elapsed = time.perf_counter() - begin
+                        if hasattr(result, "wait"):  # the background write, outside the timing
+                            result.wait()
+                        if index:
+                            measured[side].append(elapsed)
+                        dist.barrier()
+                        if rank == 0:
+                            for name in ("raw", "ours", "async"):
+                                shutil.rmtree(root / name, ignore_errors=True)
+                        dist.barrier()
+                times[group(strategy, CASES[case])] = measured
+        queue.put(times if rank == 0 else None)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_checkpoint_io_on_two_ranks(tmp_path: Any, record_interleaved: Any) -> None:
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    store = os.path.join(tmp_path, "store")
+    procs = [context.Process(target=_rank, args=(r, store, str(tmp_path), queue)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    results = [queue.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [proc.exitcode for proc in procs] == [0, 0]
+    (times,) = [r for r in results if r is not None]
+    for name, measured in times.items():
+        record_interleaved(name, measured)

@@ -1,0 +1,173 @@
+"""``async_save_checkpoint``: stage now, write in the background, publish when complete."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+
+from checkpoint_io import _state
+from checkpoint_io._collective import (
+    agree,
+    gloo_group,
+    quiet_single_process_notice_in_background,
+    single_process_quiet,
+)
+from checkpoint_io._compat import CheckpointException, dcp_failure
+from checkpoint_io._digest import HashingWriter
+from checkpoint_io._errors import CheckpointError
+from checkpoint_io._inflight import PendingCheckpoint, track
+from checkpoint_io._save import PathLike, begin, collect_state, finish, new_manifest
+from dist_core import is_distributed, log_rank0, rank
+from rng_fork import capture_rng_state
+
+logger = logging.getLogger(__name__)
+
+
+def async_save_checkpoint(
+    path: PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+    stateful: Mapping[str, Any] | None = None,
+    rng: bool = True,
+    overwrite: bool = False,
+) -> PendingCheckpoint:
+    """Save like :func:`save_checkpoint`, but return once the state is staged.
+
+    Collective, with the arguments and the checkpoint of ``save_checkpoint``. The model,
+    optimizer and stateful states are copied to host memory (staged) before the call returns,
+    so the next training step may change them at once; torch's ``dcp.async_save`` then writes
+    them in a background thread, whose collectives run on a gloo group of their own (never
+    interleaved with the training loop's). The checkpoint is published atomically at ``path``
+    when every rank has written its files. One save is in flight at a time: a new save (this
+    one or ``save_checkpoint``) first waits for the previous one.
+
+    The staged copy costs host memory of the size of this rank's state until the write ends.
+
+    Returns:
+        A :class:`PendingCheckpoint`: ``wait()`` returns the path or re-raises a failure (on
+        every rank); a failure that nobody waited for is raised by the next save.
+
+    Raises:
+        TypeError: If an argument has the wrong type.
+        FileExistsError: If ``path`` exists and ``overwrite`` is false.
+        CheckpointError: If staging failed on any rank, or the previous background save
+            failed and was not waited for.
+    """
+    return start_async_save(
+        path, model, optimizer, step, extra, stateful, rng=rng, overwrite=overwrite
+    )
+
+
+def start_async_save(
+    path: PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int | None,
+    extra: Mapping[str, Any] | None,
+    stateful: Mapping[str, Any] | None,
+    *,
+    rng: bool,
+    overwrite: bool,
+    after_publish: Callable[[], None] | None = None,
+) -> PendingCheckpoint:
+    """:func:`async_save_checkpoint`, plus an action after publishing.
+
+    ``after_publish`` runs on rank 0 in the writing thread once the checkpoint is published,
+    before ``wait()`` returns.
+    """
+    target, partial = begin(path, model, optimizer, step, extra, stateful, overwrite)
+    started = time.perf_counter()
+    state = collect_state(model, optimizer, stateful)
+    manifest = new_manifest(model, optimizer, step, extra, stateful, rng)
+    group = gloo_group("background")
+    writer = HashingWriter(partial)
+    staged: dict[str, Any] = {}
+    failure: BaseException | None = None
+    rng_state = None
+    try:
+        rng_state = capture_rng_state(_state.model_device(model)) if rng else None
+        staged = writer.stage(state)  # host copies, off the tensors training will change
+    except Exception as error:
+        failure = error
+    agree(failure, "staging the state to save")
+    quiet_single_process_notice_in_background()
+    with single_process_quiet():
+        upload = dcp_async_save(
+            staged,
+            storage_writer=writer,
+            process_group=group,
+            async_stager=_AlreadyStaged(),
+            no_dist=not is_distributed(),
+        )
+    staged_s = time.perf_counter() - started
+
+    def complete() -> Path:
+        try:
+            failure: BaseException | None = None
+            try:
+                if not isinstance(upload, concurrent.futures.Future):  # staged in the foreground
+                    raise TypeError(f"dcp.async_save returned {type(upload).__name__}")
+                upload.result()
+            except CheckpointException as error:  # a BaseException; DCP raises it everywhere
+                failure = CheckpointError(dcp_failure(f"writing {str(target)!r}", error))
+            except Exception as error:
+                failure = error
+            agree(failure, f"writing {str(target)!r}", group)
+            finish(partial, target, manifest, writer.files, rng_state, group)
+            if after_publish is not None and rank() == 0:
+                after_publish()
+        except BaseException:
+            if rank() == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+        log_rank0(
+            logger,
+            logging.INFO,
+            "saved %s in the background (step %s): staged in %.2f s, published after %.2f s",
+            target,
+            step,
+            staged_s,
+            time.perf_counter() - started,
+        )
+        return target
+
+    pending = PendingCheckpoint(target, _EXECUTOR.submit(complete))
+    track(pending)
+    return pending
+
+
+# The thread that finishes background saves (one in flight, so one thread).
+_EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-async")
+
+
+class _AlreadyStaged:
+    """DCP's stager protocol for a state that :func:`async_save_checkpoint` staged itself."""
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """Nothing to synchronize: staging was done in the foreground."""
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The state as it is."""
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for."""
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,0 +1,124 @@
+"""Which checkpoints under a root are complete, and the latest of them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+from checkpoint_io import _state
+from checkpoint_io._digest import check_sizes
+from checkpoint_io._errors import CheckpointError
+from checkpoint_io._manifest import read_manifest
+
+logger = logging.getLogger(__name__)
+
+STEP_PREFIX = "step-"
+_STEP = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+_PARTIAL = re.compile(rf"^\.{STEP_PREFIX}\d+\.(partial|old)-[0-9a-f]+$")
+
+
+def step_path(root: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives under ``root``."""
+    return root / f"{STEP_PREFIX}{step}"
+
+
+def check_root(root: object, argument: str = "root") -> Path:
+    """``root`` as a ``Path``; it may not exist yet, but it may not be a file.
+
+    Raises:
+        TypeError: If it is not a path.
+        NotADirectoryError: If it is an existing file.
+    """
+    if not isinstance(root, str | os.PathLike):
+        raise TypeError(f"{argument} must be a str or os.PathLike, got {type(root).__name__}")
+    path = Path(os.fspath(root))
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(
+            f"{argument}={str(path)!r} is a file; pass a directory to hold the step-<N> "
+            "checkpoints (it is created if missing)"
+        )
+    return path
+
+
+def step_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step-<N>`` directory under ``root``, by step."""
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def incomplete_reason(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` is not complete, or ``None`` when it is.
+
+    Complete: the manifest is readable and every data file is at its recorded size (format
+    1: at least as long as DCP's index says). Nothing is hashed.
+    """
+    try:
+        manifest = read_manifest(path)
+        files = manifest.get("files")
+        if files:
+            check_sizes(path, files)
+        else:
+            _state.check_files(path, FileSystemReader(str(path)).read_metadata())
+    except (OSError, CheckpointError) as error:
+        return str(error)
+    except Exception as error:  # an unreadable DCP index (format 1)
+        return f"its DCP metadata cannot be read ({type(error).__name__})"
+    return None
+
+
+def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
+    """The complete checkpoint of the highest step under ``root``, or ``None``.
+
+    Looks at the ``step-<N>`` directories that :class:`CheckpointManager` writes; partial,
+    temporary and damaged ones (a missing manifest, a missing or truncated data file) are
+    skipped with a warning. Reads no tensor data, runs no collective.
+
+    Raises:
+        NotADirectoryError: If ``root`` is a file.
+    """
+    path = check_root(root)
+    for _, candidate in reversed(step_checkpoints(path)):
+        reason = incomplete_reason(candidate)
+        if reason is None:
+            return candidate
+        logger.warning("skipping %s, which is not complete: %s", candidate, reason)
+    return None
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Remove the checkpoints older than the newest ``keep_last`` complete ones.
+
+    Incomplete checkpoints newer than those are left alone. Returns what was removed.
+    """
+    everything = step_checkpoints(root)
+    complete = [step for step, path in everything if incomplete_reason(path) is None]
+    if len(complete) <= keep_last:
+        return []
+    oldest_kept = complete[-keep_last]
+    removed = [path for step, path in everything if step < oldest_kept]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+        logger.info("removed %s (keep_last=%d)", path, keep_last)
+    return removed
+
+
+def remove_leftovers(root: Path) -> list[Path]:
+    """Remove the temporary directories of saves that never finished (a killed job)."""
+    if not root.is_dir():
+        return []
+    leftovers = [child for child in root.iterdir() if _PARTIAL.match(child.name)]
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+        logger.info("removed %s, left by a save that did not finish", path)
+    return leftovers

@@ -1,0 +1,254 @@
+"""``CheckpointManager``: every N steps, keep K, async, SIGTERM, resume from the latest."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import types
+import weakref
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from checkpoint_io._async import start_async_save
+from checkpoint_io._collective import from_rank0, gloo_group
+from checkpoint_io._inflight import PendingCheckpoint
+from checkpoint_io._latest import (
+    check_root,
+    latest_checkpoint,
+    prune,
+    remove_leftovers,
+    step_path,
+)
+from checkpoint_io._load import load_checkpoint
+from checkpoint_io._save import save_checkpoint
+from dist_core import log_rank0, rank
+
+logger = logging.getLogger(__name__)
+
+_Handler = Any  # what signal.signal returns: a callable, an int constant, or None
+
+
+class CheckpointManager:
+    """Checkpoints of a long run under one root: ``root/step-<N>``.
+
+    Every method that saves or loads is collective (every rank calls it, in the same order);
+    with ``on_sigterm=True`` so is the constructor. Without a process group it all runs in one
+    process.
+
+    Example::
+
+        manager = CheckpointManager("ckpt", every=500, keep_last=3, async_save=True,
+                                    on_sigterm=True)
+        start = manager.resume(model, optimizer)           # 0 on a fresh run
+        for step in range(start, total_steps):
+            train_one_step(step)
+            manager.maybe_save(step + 1, model, optimizer)  # steps completed so far
+        manager.wait()
+
+    Args:
+        root: The directory of the ``step-<N>`` checkpoints (created when first saved).
+        every: Save when the step passed to ``maybe_save`` is a multiple of it.
+        keep_last: Keep only the newest ``keep_last`` complete checkpoints; older ones are
+            removed once a new one is published. ``None`` keeps all.
+        async_save: Write in the background (:func:`async_save_checkpoint`): training goes on
+            once the state is staged in host memory.
+        on_sigterm: Install a SIGTERM handler (torchrun and schedulers send SIGTERM before
+            SIGKILL): at the next ``maybe_save`` every rank learns of it, all save at that
+            step, and the call raises ``SystemExit(0)`` once the checkpoint is published.
+
+    Raises:
+        TypeError: If ``root`` is not a path, or a flag is not a bool.
+        ValueError: If ``every`` or ``keep_last`` is below 1, or ``on_sigterm`` is asked for
+            outside the main thread.
+        NotADirectoryError: If ``root`` is a file.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        every: int,
+        keep_last: int | None = None,
+        async_save: bool = False,
+        on_sigterm: bool = False,
+    ) -> None:
+        self.root = check_root(root)
+        self.every = _positive("every", every)
+        self.keep_last = None if keep_last is None else _positive("keep_last", keep_last)
+        for name, flag in (("async_save", async_save), ("on_sigterm", on_sigterm)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__} ({flag!r})")
+        self.async_save = async_save
+        self._pending: PendingCheckpoint | None = None
+        self._terminated = threading.Event()
+        self._previous: _Handler = None
+        self._group: dist.ProcessGroup | None = None
+        if on_sigterm:
+            if threading.current_thread() is not threading.main_thread():
+                raise ValueError(
+                    "on_sigterm=True installs a signal handler, which only the main thread can "
+                    "do; create the CheckpointManager in the main thread"
+                )
+            self._group = gloo_group("sigterm")  # the ranks agree on a stop through it
+            self._previous = signal.signal(signal.SIGTERM, _handler(self))
+            self._handling = True
+        else:
+            self._handling = False
+
+    def maybe_save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        stateful: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> Path | None:
+        """Save ``root/step-<step>`` if ``step`` is a multiple of ``every``, forced, or stopping.
+
+        Pass the number of steps completed, so that :meth:`resume` returns the step to start
+        from. Collective.
+
+        Returns:
+            The checkpoint's path (with ``async_save``, where it will be published), or
+            ``None`` when nothing was saved.
+
+        Raises:
+            SystemExit: With code 0, after the checkpoint is published, when a SIGTERM
+                reached any rank (``on_sigterm=True``).
+            ValueError: If ``step`` is negative.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0 (steps completed), got {step!r}")
+        stopping = self._stop_agreed()
+        if not (force or stopping or step % self.every == 0):
+            return None
+        path = step_path(self.root, step)
+        if rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+        if self.async_save and not stopping:
+            self._pending = start_async_save(
+                path,
+                model,
+                optimizer,
+                step,
+                extra,
+                stateful,
+                rng=True,
+                overwrite=True,
+                after_publish=self._prune,
+            )
+        else:
+            save_checkpoint(
+                path, model, optimizer, stateful=stateful, extra=extra, step=step, overwrite=True
+            )
+            self._pending = None
+            if rank() == 0:
+                self._prune()
+        if stopping:
+            log_rank0(logger, logging.WARNING, "SIGTERM: saved %s; exiting with code 0", path)
+            self.close()
+            raise SystemExit(0)
+        return path
+
+    def latest(self) -> Path | None:
+        """The complete checkpoint of the highest step (no collective): ``latest_checkpoint``."""
+        return latest_checkpoint(self.root)
+
+    def resume(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        stateful: Mapping[str, Any] | None = None,
+    ) -> int:
+        """Load the latest complete checkpoint; return its step, the step to start from.
+
+        Collective: rank 0 chooses the checkpoint and removes the temporary directories of
+        saves that never finished; every rank loads it (any strategy, any world size).
+
+        Returns:
+            The saved step (0 when there is no checkpoint yet: start from the beginning).
+        """
+        chosen = None
+        if rank() == 0:
+            remove_leftovers(self.root)
+            chosen = latest_checkpoint(self.root)
+        path = from_rank0(chosen)
+        if path is None:
+            log_rank0(logger, logging.INFO, "no checkpoint under %s: starting at step 0", self.root)
+            return 0
+        info = load_checkpoint(path, model, optimizer, stateful=stateful)
+        step = info.step if info.step is not None else int(path.name.split("-")[-1])
+        log_rank0(logger, logging.INFO, "resuming from %s at step %d", path, step)
+        return step
+
+    def wait(self) -> Path | None:
+        """Wait for a background save; its path (``None`` if none was in flight)."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.wait()
+
+    def close(self) -> None:
+        """Wait for a background save and put the previous SIGTERM handler back."""
+        try:
+            self.wait()
+        finally:
+            if self._handling:
+                _restore(self._previous)
+                self._handling = False
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _stop_agreed(self) -> bool:
+        """Whether a SIGTERM reached any rank (collective with ``on_sigterm``)."""
+        if not self._handling:
+            return False
+        if self._group is None:
+            return self._terminated.is_set()
+        flag = torch.tensor([1 if self._terminated.is_set() else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        return bool(flag.item())
+
+    def _prune(self) -> None:
+        if self.keep_last is not None:
+            prune(self.root, self.keep_last)
+
+
+def _handler(manager: CheckpointManager) -> Callable[[int, types.FrameType | None], None]:
+    """The SIGTERM handler: tell ``manager``; if it is gone, behave as before it existed."""
+    alive = weakref.ref(manager)
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum: int, frame: types.FrameType | None) -> None:
+        target = alive()
+        if target is not None and target._handling:
+            target._terminated.set()
+            return
+        _restore(previous)  # a manager dropped without close(): do not swallow the signal
+        signal.raise_signal(signum)
+
+    return on_sigterm
+
+
+def _restore(previous: _Handler) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
