@@ -13,8 +13,6 @@ rounds on the same ranks, timed from a barrier to a barrier (the slowest rank's 
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
-import os
 import shutil
 import time
 import warnings
@@ -26,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from microbench_models import RunnerModel
+from microbench_spawn import run_two_ranks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -136,16 +135,6 @@ def _rank(rank: int, store: str, folder: str, queue: Any) -> None:
 
 
 def test_checkpoint_io_on_two_ranks(tmp_path: Any, record_interleaved: Any) -> None:
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    store = os.path.join(tmp_path, "store")
-    procs = [context.Process(target=_rank, args=(r, store, str(tmp_path), queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    results = [queue.get(timeout=600) for _ in procs]
-    for proc in procs:
-        proc.join(timeout=60)
-    assert [proc.exitcode for proc in procs] == [0, 0]
-    (times,) = [r for r in results if r is not None]
+    times = run_two_ranks(__file__, "_rank", str(tmp_path), timeout_s=600)
     for name, measured in times.items():
         record_interleaved(name, measured)

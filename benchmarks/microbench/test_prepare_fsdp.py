@@ -4,13 +4,12 @@ the path before it (a full replica broadcast to every rank, verified, then shard
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
-import os
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from microbench_spawn import run_two_ranks
 
 from distributed_strategy import (
     assert_replicas_identical,
@@ -75,16 +74,6 @@ def _rank(rank: int, store: str, queue: Any) -> None:
         dist.destroy_process_group()
 
 
-def test_prepare_fsdp_from_rank0(tmp_path: Any, record_interleaved: Any) -> None:
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    store = os.path.join(tmp_path, "store")
-    procs = [context.Process(target=_rank, args=(r, store, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    results = [queue.get(timeout=300) for _ in procs]
-    for proc in procs:
-        proc.join(timeout=30)
-    assert [proc.exitcode for proc in procs] == [0, 0]
-    (times,) = [r for r in results if r is not None]
+def test_prepare_fsdp_from_rank0(record_interleaved: Any) -> None:
+    times = run_two_ranks(__file__, "_rank", timeout_s=300)
     record_interleaved(GROUP, times)

@@ -242,7 +242,7 @@ def _end(code: int) -> None:
 
     The process group is destroyed by then; what is left is torch's static destructors, and
     with gloo one of them aborts now and then ("terminate called without an active
-    exception", SIGABRT after the last line was printed: 4 of 70 runs here under load). An
+    exception", SIGABRT after the last line was printed: 5 of 110 runs here). An
     abort would turn a finished run into a failed one for torchrun (and restart it).
     """
     logging.shutdown()

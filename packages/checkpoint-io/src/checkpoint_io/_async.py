@@ -26,6 +26,7 @@ from checkpoint_io._digest import HashingWriter
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._inflight import PendingCheckpoint, track
 from checkpoint_io._save import PathLike, begin, collect_state, finish, new_manifest
+from checkpoint_io._staging import stage
 from dist_core import is_distributed, log_rank0, rank
 from rng_fork import capture_rng_state
 
@@ -53,7 +54,8 @@ def async_save_checkpoint(
     when every rank has written its files. One save is in flight at a time: a new save (this
     one or ``save_checkpoint``) first waits for the previous one.
 
-    The staged copy costs host memory of the size of this rank's state until the write ends.
+    The staged copy lives in host buffers kept from one save to the next (allocated once in a
+    steady run): host memory of the size of this rank's state, held while the process runs.
 
     Returns:
         A :class:`PendingCheckpoint`: ``wait()`` returns the path or re-raises a failure (on
@@ -98,7 +100,7 @@ def start_async_save(
     rng_state = None
     try:
         rng_state = capture_rng_state(_state.model_device(model)) if rng else None
-        staged = writer.stage(state)  # host copies, off the tensors training will change
+        staged = stage(state)  # host copies, off the tensors training will change
     except Exception as error:
         failure = error
     agree(failure, "staging the state to save")
@@ -125,7 +127,7 @@ def start_async_save(
             except Exception as error:
                 failure = error
             agree(failure, f"writing {str(target)!r}", group)
-            finish(partial, target, manifest, writer.files, rng_state, group)
+            finish(partial, target, manifest, writer, rng_state, group)
             if after_publish is not None and rank() == 0:
                 after_publish()
         except BaseException:

@@ -16,28 +16,38 @@ from dist_core import is_distributed, rank
 _T = TypeVar("_T")
 
 
-def agree(error: BaseException | None, what: str, group: dist.ProcessGroup | None = None) -> None:
+def agree(
+    error: BaseException | None,
+    what: str,
+    group: dist.ProcessGroup | None = None,
+    *,
+    share: Any = None,
+) -> list[Any]:
     """Raise on every rank if ``error`` happened on any rank (collective over ``group``).
 
     The failing rank re-raises its own error; the others raise the same type
     (``FileNotFoundError``, ``FileExistsError`` or :class:`CheckpointError`) naming that rank.
+
+    Returns:
+        Every rank's ``share``, by rank (gathered in the same collective).
     """
     if not is_distributed():
         if error is not None:
             raise error
-        return
+        return [share]
     report = None if error is None else (type(error).__name__, str(error))
     reports: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, report, group=group)
+    dist.all_gather_object(reports, (report, share), group=group)
     if error is not None:
         raise error
-    failed = [(r, rep) for r, rep in enumerate(reports) if rep is not None]
+    failed = [(r, rep) for r, (rep, _) in enumerate(reports) if rep is not None]
     if failed:
         first, (kind, message) = failed[0]
         others = {"FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError}
         raise others.get(kind, CheckpointError)(
             f"{what} failed on rank(s) {[r for r, _ in failed]}; rank {first}: {message}"
         )
+    return [shared for _, shared in reports]
 
 
 def from_rank0(value: _T, group: dist.ProcessGroup | None = None) -> _T:
@@ -47,15 +57,6 @@ def from_rank0(value: _T, group: dist.ProcessGroup | None = None) -> _T:
     box = [value if rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]  # type: ignore[return-value]
-
-
-def gather_to_all(value: _T, group: dist.ProcessGroup | None = None) -> list[_T]:
-    """Every rank's ``value``, by rank, on every rank (``[value]`` without a process group)."""
-    if not is_distributed():
-        return [value]
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value, group=group)
-    return values
 
 
 def gloo_group(purpose: str) -> dist.ProcessGroup | None:

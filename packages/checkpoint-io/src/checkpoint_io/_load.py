@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
 from collections.abc import Mapping
@@ -41,9 +40,10 @@ def load_checkpoint(
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (collective).
 
     Works under any strategy and world size (DCP reshards), or in one process without a
-    process group. Everything is read and checked before anything is changed: on any error
-    the model, the optimizer, the stateful objects and the RNG are unchanged on every rank,
-    and every rank raises.
+    process group. Everything that can be checked is checked before anything is changed (the
+    manifest, keys, shapes, dtypes, file sizes and, with ``verify``, every file's checksum):
+    on any of those errors the model, the optimizer, the stateful objects and the RNG are
+    unchanged on every rank, and every rank raises.
 
     Args:
         path: The checkpoint directory.
@@ -54,15 +54,13 @@ def load_checkpoint(
         strict: Refuse missing or unexpected model keys; ``False`` loads the shared keys.
         rng: Restore the RNG states when the world size is the one that saved (rank r gets
             rank r's state); otherwise they are left alone and a warning is logged.
-        verify: Check every file against the size and sha256 recorded when it was written
-            (the files are split among the ranks: each rank hashes its share while DCP reads,
-            O(checkpoint / world) per rank). The state is then read into fresh tensors,
-            checked, and only then copied into the model, so that any failure leaves
-            everything unchanged. ``verify=False`` reads in
-            place (no second copy of the model and optimizer state in memory, as fast as raw
-            DCP): every check that needs no data (keys, shapes, dtypes, file sizes) still runs
-            first, but an I/O error in the middle of the read itself can leave the model
-            partly loaded.
+        verify: Check every file against the size and checksum recorded when it was written,
+            before anything is read (the files are split among the ranks: O(checkpoint /
+            world) per rank). The state is then read in place, with no second copy in memory.
+            ``verify=False`` skips the checksums; every check that needs no data (keys,
+            shapes, dtypes, file sizes) runs either way. Only an I/O error in the middle of the
+            read itself (a disk failing after the checks passed) can leave the model partly
+            loaded; the error says so.
 
     Returns:
         What the checkpoint says about itself.
@@ -87,24 +85,31 @@ def load_checkpoint(
     plan: dict[str, Any] = {}
     try:
         _state.require_model_device(model, "load_checkpoint")
-        plan = _prepare(root, model, optimizer, stateful, strict=strict, rng=rng, fresh=verify)
+        plan = _prepare(root, model, optimizer, stateful, strict=strict, rng=rng, verify=verify)
     except Exception as error:
         failure = error
     agree(failure, f"reading {str(root)!r}")
     manifest = plan["manifest"]
-    checking = _start_verification(root, manifest) if verify else None
+    files = manifest.get("files")
+    if verify and files:  # every file checked, split among the ranks, before anything is read
+        failure = None
+        try:
+            check_digests(root, files, share(files, rank(), world_size()))
+        except Exception as error:
+            failure = error
+        agree(failure, f"verifying {str(root)!r}")
     try:
         with single_process_quiet():
             dcp_load(plan["target"], checkpoint_id=str(root))
     except CheckpointException as error:
+        partly = "" if plan["fresh"] else "; the model may be partly loaded: load it again"
         raise CheckpointError(
             f"reading {str(root)!r} failed: the checkpoint is truncated or corrupt "
-            f"({_first_line(error)})"
+            f"({_first_line(error)}){partly}"
         ) from None
-    finally:
-        failure = _verification_result(checking)
     loaded = plan["target"][_state.MODEL]
-    if checking is None and verify and plan["complete"]:  # format 1: the gathered fingerprint
+    failure = None
+    if plan["fresh"] and plan["complete"]:  # format 1: the gathered fingerprint
         found = _state.fingerprint(loaded)
         if found != manifest["fingerprint"]:
             failure = CheckpointError(
@@ -112,9 +117,9 @@ def load_checkpoint(
                 f"{found[:16]}, the checkpoint recorded {manifest['fingerprint'][:16]}; the files "
                 "were changed or damaged after saving. Nothing was loaded"
             )
-    agree(failure, f"verifying {str(root)!r}")
+        agree(failure, f"verifying {str(root)!r}")
     # Everything read and checked on every rank: now change the model, optimizer, RNG.
-    if verify:  # read into fresh tensors: copy them in (in place, they are the model's own)
+    if plan["fresh"]:  # read into fresh tensors: copy them in (in place, they are the model's own)
         set_model_state_dict(model, loaded, options=StateDictOptions(strict=strict))
     if optimizer is not None:
         _state.load_optimizer(model, optimizer, plan["target"][_state.OPTIM])
@@ -146,14 +151,16 @@ def _prepare(
     *,
     strict: bool,
     rng: bool,
-    fresh: bool,
+    verify: bool,
 ) -> dict[str, Any]:
     """Read and check everything that can be checked before the load; build the target.
 
-    ``fresh``: the target's tensors are new (the model's are untouched until the copy);
-    otherwise they are the model's and the optimizer's own, loaded in place.
+    The target's tensors are the model's and the optimizer's own (loaded in place), except
+    when a format-1 checkpoint is verified (``"fresh"``): its check needs the loaded state, so
+    it is read into new tensors and the model is untouched until the copy.
     """
     manifest = read_manifest(root)
+    fresh = verify and not manifest.get("files")
     try:
         metadata = FileSystemReader(str(root)).read_metadata()
     except Exception as error:
@@ -193,34 +200,8 @@ def _prepare(
         "target": target,
         "complete": len(keys) == len(current) == len(_state.saved_entries(metadata, _state.MODEL)),
         "rng": _rng_state(root, manifest) if rng else None,
+        "fresh": fresh,
     }
-
-
-# Hashes this rank's share of the files while DCP reads them (hashing releases the GIL).
-_VERIFIER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify")
-
-
-def _start_verification(
-    root: Path, manifest: Mapping[str, Any]
-) -> concurrent.futures.Future[None] | None:
-    """Hash this rank's share of the recorded files in the background (``None``: format 1)."""
-    files = manifest.get("files")
-    if not files:
-        return None
-    mine = share(files, rank(), world_size())
-    return _VERIFIER.submit(check_digests, root, files, mine)
-
-
-def _verification_result(
-    checking: concurrent.futures.Future[None] | None,
-) -> BaseException | None:
-    if checking is None:
-        return None
-    try:
-        checking.result()
-    except Exception as error:
-        return error
-    return None
 
 
 def _rng_state(root: Path, manifest: Mapping[str, Any]) -> RngState | None:

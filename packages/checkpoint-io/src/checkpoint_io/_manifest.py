@@ -10,7 +10,7 @@ from typing import Any
 from checkpoint_io._errors import CheckpointError
 
 FORMAT = "checkpoint_io"
-# 2: a table of every file's size and sha256 ("files") replaces the gathered model fingerprint.
+# 2: a table of every file's size and checksum ("files") replaces the gathered model fingerprint.
 FORMAT_VERSION = 2
 MANIFEST = "checkpoint.json"
 METADATA_FILE = ".metadata"  # DCP's own index, written by the coordinator

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from checkpoint_io import _state
-from checkpoint_io._collective import agree, from_rank0, gather_to_all, single_process_quiet
+from checkpoint_io._collective import agree, from_rank0, single_process_quiet
 from checkpoint_io._compat import CheckpointException, dcp_failure
 from checkpoint_io._digest import FileTable, HashingWriter, hash_files
 from checkpoint_io._errors import CheckpointError
@@ -127,7 +127,7 @@ def _write(
             dcp_save(state, storage_writer=writer)
     except CheckpointException as error:  # a BaseException: make it an Exception
         raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
-    finish(partial, target, manifest, writer.files, rng_state)
+    finish(partial, target, manifest, writer, rng_state)
 
 
 def collect_state(
@@ -180,36 +180,37 @@ def finish(
     partial: Path,
     target: Path,
     manifest: dict[str, Any],
-    files: FileTable,
+    writer: HashingWriter,
     rng_state: RngState | None,
     group: dist.ProcessGroup | None = None,
 ) -> None:
     """After DCP wrote ``partial``: RNG files, the file table, the manifest, the rename.
 
-    Collective over ``group``: ``files`` are the entries of the data files this rank wrote;
+    Collective over ``group``: ``writer`` has the entries of the data files this rank wrote;
     every rank's are gathered to rank 0, which adds ``.metadata``, writes the manifest and
     publishes. A failure on any rank raises on every rank and nothing is published.
     """
     failure: BaseException | None = None
+    files: FileTable = {}
     try:
         if rng_state is not None:
             name = f"{RNG_DIR}/rank{rank()}.pt"
             (partial / RNG_DIR).mkdir(parents=True, exist_ok=True)
             torch.save(rng_state, partial / name)
-            files = {**files, **hash_files(partial, [name])}
+            files.update(hash_files(partial, [name]))
+        files.update(writer.files)  # summed in a thread since DCP wrote them
     except Exception as error:
         failure = error
-    agree(failure, "saving the RNG states", group)
     if os.environ.get(TEST_KILL_IN_SAVE) == "1":  # the restart test: a kill mid-save
         os.kill(os.getpid(), signal.SIGKILL)
-    tables = gather_to_all(files, group)
+    tables = agree(failure, "saving the RNG states and checksumming the files", group, share=files)
     failure = None
     if rank() == 0:
         try:
             table: FileTable = {}
             tables[0] = {**tables[0], **hash_files(partial, [METADATA_FILE])}
-            for writer, each in enumerate(tables):
-                table.update({name: {**entry, "rank": writer} for name, entry in each.items()})
+            for writer_rank, each in enumerate(tables):
+                table.update({name: {**entry, "rank": writer_rank} for name, entry in each.items()})
             write_manifest(partial, {**manifest, "files": table})
             _publish(partial, target)
         except Exception as error:
@@ -233,13 +234,12 @@ def begin(
     """
     target = _check_arguments(path, model, optimizer, step, extra, stateful)
     settle_in_flight()
-    exists = from_rank0(target.exists())
+    exists, token = from_rank0((target.exists(), uuid.uuid4().hex[:12]))
     if exists and not overwrite:
         raise FileExistsError(
             f"{str(target)!r} already exists; pass overwrite=True to replace it (the old "
             "checkpoint is removed only once the new one is complete), or choose a new path"
         )
-    token = from_rank0(uuid.uuid4().hex[:12])
     return target, target.parent / f".{target.name}.partial-{token}"
 
 
