@@ -234,7 +234,8 @@ def _test_kill(rank: int, steps_done: int, where: str) -> None:
         if spec.split(":") == [attempt, str(rank), str(steps_done), where]:
             if where == "step":
                 os.kill(os.getpid(), signal.SIGKILL)
-            os.environ["CHECKPOINT_IO_TEST_KILL_IN_SAVE"] = "1"
+            # this save only (a background save still finishing must not be the one killed)
+            os.environ["CHECKPOINT_IO_TEST_KILL_IN_SAVE"] = f"step-{steps_done}"
 
 
 def _end(code: int) -> None:

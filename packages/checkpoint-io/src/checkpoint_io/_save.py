@@ -37,8 +37,9 @@ from rng_fork import RngState, capture_rng_state
 logger = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
-# Test hook: a rank with this set to "1" kills itself with SIGKILL inside a save, after its
-# files are written and before the checkpoint is published (the restart tests use it).
+# Test hook: a rank with this set to a checkpoint's directory name (``step-6``) kills itself
+# with SIGKILL inside that save, after its files are written and before the checkpoint is
+# published (the restart tests use it).
 TEST_KILL_IN_SAVE = "CHECKPOINT_IO_TEST_KILL_IN_SAVE"
 
 
@@ -201,7 +202,7 @@ def finish(
         files.update(writer.files)  # summed in a thread since DCP wrote them
     except Exception as error:
         failure = error
-    if os.environ.get(TEST_KILL_IN_SAVE) == "1":  # the restart test: a kill mid-save
+    if os.environ.get(TEST_KILL_IN_SAVE) == target.name:  # the restart test: a kill mid-save
         os.kill(os.getpid(), signal.SIGKILL)
     tables = agree(failure, "saving the RNG states and checksumming the files", group, share=files)
     failure = None
