@@ -2,11 +2,13 @@
 
 Under pytest's importlib mode a test module's name (``benchmarks.microbench.test_x``) is not
 importable in a spawned child when pytest runs as a console script (nox), so the child loads
-the test file by its path and calls the rank function named.
+the test file by its path and calls the rank function named. The child owns the process group
+(one thread per rank, a deadline on every collective, a barrier before it is destroyed).
 """
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import multiprocessing as mp
 import os
@@ -15,16 +17,19 @@ import tempfile
 import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 WORLD_SIZE = 2
 
 
 def run_two_ranks(test_file: str, rank_fn: str, *args: Any, timeout_s: float) -> Any:
-    """Run ``rank_fn(rank, store, *args, queue)`` of ``test_file`` on 2 spawned processes.
+    """Run ``rank_fn(rank, *args)`` of ``test_file`` on 2 spawned gloo ranks.
 
-    Each rank puts one result on the queue (rank 0 its measurements, the others ``None``).
+    Each rank's process group has ``timeout_s`` as its collective timeout.
 
     Returns:
-        The one result that is not ``None``.
+        What ``rank_fn`` returned on rank 0 (its measurements).
 
     Raises:
         RuntimeError: If a rank exits without a result or with a nonzero code, or the ranks
@@ -36,7 +41,8 @@ def run_two_ranks(test_file: str, rank_fn: str, *args: Any, timeout_s: float) ->
         store = os.path.join(scratch, "store")
         procs = [
             context.Process(
-                target=_child, args=(test_file, rank_fn, rank, store, args, results_queue)
+                target=_child,
+                args=(test_file, rank_fn, rank, store, args, timeout_s, results_queue),
             )
             for rank in range(WORLD_SIZE)
         ]
@@ -74,10 +80,29 @@ def _collect(procs: list[Any], results_queue: Any, deadline: float) -> list[Any]
 
 
 def _child(
-    test_file: str, rank_fn: str, rank: int, store: str, args: tuple[Any, ...], queue: Any
+    test_file: str,
+    rank_fn: str,
+    rank: int,
+    store: str,
+    args: tuple[Any, ...],
+    timeout_s: float,
+    queue: Any,
 ) -> None:
     spec = importlib.util.spec_from_file_location("_microbench_ranks", test_file)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    getattr(module, rank_fn)(rank, store, *args, queue)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        store=dist.FileStore(store, WORLD_SIZE),
+        rank=rank,
+        world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    try:
+        result = getattr(module, rank_fn)(rank, *args)
+        queue.put(result if rank == 0 else None)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -12,7 +12,6 @@ rounds on the same ranks, timed from a barrier to a barrier (the slowest rank's 
 
 from __future__ import annotations
 
-import datetime
 import shutil
 import time
 import warnings
@@ -92,46 +91,34 @@ def _sides(
     }
 
 
-def _rank(rank: int, store: str, folder: str, queue: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store, 2),
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=300),
-    )
-    try:
-        times: dict[str, dict[str, list[float]]] = {}
-        for strategy in STRATEGIES:
-            root = Path(folder) / strategy
-            model, optimizer = _trained(strategy)
-            save_checkpoint(root / "ours-kept", model, optimizer, step=1)
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "raw-kept"))
-            for case, sides in _sides(model, optimizer, root).items():
-                measured: dict[str, list[float]] = {"raw": [], "ours": []}
-                for index in range(ROUNDS + 1):  # round 0 warms up
-                    for side in ("raw", "ours") if index % 2 == 0 else ("ours", "raw"):
-                        dist.barrier()
-                        begin = time.perf_counter()
-                        result = sides[side]()
-                        dist.barrier()  # the slowest rank's time
-                        elapsed = time.perf_counter() - begin
-                        if hasattr(result, "wait"):  # the background write, outside the timing
-                            result.wait()
-                        if index:
-                            measured[side].append(elapsed)
-                        dist.barrier()
-                        if rank == 0:
-                            for name in ("raw", "ours", "async"):
-                                shutil.rmtree(root / name, ignore_errors=True)
-                        dist.barrier()
-                times[group(strategy, CASES[case])] = measured
-        queue.put(times if rank == 0 else None)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int, folder: str) -> dict[str, dict[str, list[float]]]:
+    times: dict[str, dict[str, list[float]]] = {}
+    for strategy in STRATEGIES:
+        root = Path(folder) / strategy
+        model, optimizer = _trained(strategy)
+        save_checkpoint(root / "ours-kept", model, optimizer, step=1)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "raw-kept"))
+        for case, sides in _sides(model, optimizer, root).items():
+            measured: dict[str, list[float]] = {"raw": [], "ours": []}
+            for index in range(ROUNDS + 1):  # round 0 warms up
+                for side in ("raw", "ours") if index % 2 == 0 else ("ours", "raw"):
+                    dist.barrier()
+                    begin = time.perf_counter()
+                    result = sides[side]()
+                    dist.barrier()  # the slowest rank's time
+                    elapsed = time.perf_counter() - begin
+                    if hasattr(result, "wait"):  # the background write, outside the timing
+                        result.wait()
+                    if index:
+                        measured[side].append(elapsed)
+                    dist.barrier()
+                    if rank == 0:
+                        for name in ("raw", "ours", "async"):
+                            shutil.rmtree(root / name, ignore_errors=True)
+                    dist.barrier()
+            times[group(strategy, CASES[case])] = measured
+    return times
 
 
 def test_checkpoint_io_on_two_ranks(tmp_path: Any, record_interleaved: Any) -> None:

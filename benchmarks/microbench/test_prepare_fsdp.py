@@ -3,7 +3,6 @@ the path before it (a full replica broadcast to every rank, verified, then shard
 
 from __future__ import annotations
 
-import datetime
 import time
 from typing import Any
 
@@ -48,30 +47,18 @@ def _ours() -> None:
     )
 
 
-def _rank(rank: int, store: str, queue: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        store=dist.FileStore(store, 2),
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=120),
-    )
-    try:
-        times: dict[str, list[float]] = {"raw": [], "ours": []}
-        sides = {"raw": _raw, "ours": _ours}
-        _raw(), _ours()  # warm-up
-        for index in range(ROUNDS):
-            for side in ("raw", "ours") if index % 2 == 0 else ("ours", "raw"):
-                dist.barrier()
-                begin = time.perf_counter()
-                sides[side]()
-                dist.barrier()  # the slowest rank's time
-                times[side].append(time.perf_counter() - begin)
-        queue.put(times if rank == 0 else None)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _rank(rank: int) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {"raw": [], "ours": []}
+    sides = {"raw": _raw, "ours": _ours}
+    _raw(), _ours()  # warm-up
+    for index in range(ROUNDS):
+        for side in ("raw", "ours") if index % 2 == 0 else ("ours", "raw"):
+            dist.barrier()
+            begin = time.perf_counter()
+            sides[side]()
+            dist.barrier()  # the slowest rank's time
+            times[side].append(time.perf_counter() - begin)
+    return times
 
 
 def test_prepare_fsdp_from_rank0(record_interleaved: Any) -> None:
