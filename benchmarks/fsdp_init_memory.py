@@ -1,10 +1,11 @@
 """Device check: FSDP's prepare_model from rank 0 never holds the whole model on the device.
 
 Run by ``benchmarks/device_check.sh`` (one process, one rank: NCCL on a GPU, gloo on CPU).
-The bound is this rank's shards plus the largest FSDP unit plus 10%: the full replica that
-the path before it built first would add the whole model again. On CUDA the figure is the
-allocator's peak during ``prepare_model``; on CPU the resident set's growth (plus 96 MiB of
-slack for the process's own allocations).
+The bound is the estimate's own init peak for this source (this rank's shards plus one stream
+bucket or the largest tensor in transit, ``strategy_bench._init_peak``) plus 10%: the full
+replica that the path before it built first would add the whole model again. On CUDA the
+figure is the allocator's peak during ``prepare_model``; on CPU the resident set's growth
+(plus 96 MiB of slack for the process's own allocations).
 
     python benchmarks/fsdp_init_memory.py --device cuda --width 4096 --depth 12
 """
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed_strategy import MemoryPeak, prepare_model
-from strategy_bench._init_peak import ModelSizes
+from strategy_bench._init_peak import ModelSizes, init_peaks
 
 
 class Wide(nn.Module):
@@ -85,12 +86,14 @@ def main() -> int:
             reached, slack = peak.device_peak, 0
         else:
             reached, slack = peak.host_growth, 96 * 2**20
-        bound = int(1.10 * (shards + sizes.largest_unit)) + slack
+        expected = init_peaks(sizes, "fsdp", shards, 1)["rank0"]["device"]
+        bound = int(1.10 * expected) + slack
         report = {
             "device": str(device),
             "model_bytes": sizes.whole,
             "shard_bytes": shards,
-            "largest_unit_bytes": sizes.largest_unit,
+            "largest_tensor_bytes": sizes.largest_tensor,
+            "estimated_bytes": expected,
             "peak_bytes": reached,
             "bound_bytes": bound,
             "ok": reached <= bound,

@@ -250,3 +250,11 @@ def test_rank0_source_refuses_a_device_that_is_not_current() -> None:
     )
     assert "build_replicated_model: device='cuda:1' is not the current cuda device (cuda:0)" in out
     assert "torch.cuda.set_device(1) first" in out
+
+
+def test_stream_bucket_bound_keeps_shards_plus_bucket_below_the_model() -> None:
+    mib = 2**20
+    assert replica_init.stream_bucket_bytes(10 * 2**30, 2) == replica_init.STREAM_BUCKET_BYTES
+    assert replica_init.stream_bucket_bytes(8 * mib, 2) == 2 * mib  # half of one rank's share
+    assert replica_init.stream_bucket_bytes(8 * mib, 4) == mib
+    assert replica_init.stream_bucket_bytes(0, 1) == 1

@@ -171,7 +171,7 @@ def _step(workload: Workload, point: EstimatePoint, options: EstimateOptions) ->
     return {
         **counts,
         **out,
-        "init_peak_bytes": init_peaks(sizes, point.strategy, shards),
+        "init_peak_bytes": init_peaks(sizes, point.strategy, shards, point.world_size),
         "static_bytes": static,
         "total_bytes": static + out["activation_peak_bytes"],
     }

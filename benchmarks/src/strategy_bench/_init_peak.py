@@ -4,7 +4,7 @@ The rules of the pipeline (``prepare_model``), applied to a model's sizes read o
 device: DDP puts a full replica on every device; FSDP never does (``source="local"``: each
 rank builds the whole model on its host and moves it unit by unit, so the device holds its
 shards plus one unit in transit; ``source="rank0"``: only rank 0 builds on its host, and
-rank 0's tensors are streamed into the shards one at a time).
+rank 0's tensors are streamed into the shards in bounded buckets).
 """
 
 from __future__ import annotations
@@ -14,7 +14,11 @@ from typing import Any
 
 from torch import nn
 
-from distributed_strategy import BROADCAST_BUCKET_BYTES, select_shard_targets
+from distributed_strategy import (
+    BROADCAST_BUCKET_BYTES,
+    select_shard_targets,
+    stream_bucket_bytes,
+)
 from strategy_bench._accounting import local_bytes
 
 
@@ -37,13 +41,16 @@ class ModelSizes:
         )
 
 
-def init_peaks(sizes: ModelSizes, strategy: str, shard_bytes: int) -> dict[str, dict[str, int]]:
+def init_peaks(
+    sizes: ModelSizes, strategy: str, shard_bytes: int, world_size: int
+) -> dict[str, dict[str, int]]:
     """Per source, the init phase's peak bytes: ``host_rank0``, ``host_other``, ``device``.
 
     Args:
         sizes: The unwrapped model's sizes.
         strategy: ``"ddp"`` or ``"fsdp"``.
         shard_bytes: What one rank holds of the parameters and buffers once sharded (FSDP).
+        world_size: The ranks the model is sharded over (the stream's bucket bound).
 
     Returns:
         ``{"local": {...}, "rank0": {...}}``, each with the host peak of rank 0 and of the
@@ -66,7 +73,8 @@ def init_peaks(sizes: ModelSizes, strategy: str, shard_bytes: int) -> dict[str, 
         "rank0": {
             "host_rank0": whole,
             "host_other": 0,
-            "device": shard_bytes + sizes.largest_tensor,
+            "device": shard_bytes
+            + max(sizes.largest_tensor, stream_bucket_bytes(whole, world_size)),
         },
     }
 

@@ -56,6 +56,7 @@ from fsdp_wrap import (
 from grad_sync import clip_grad_norm, no_sync
 from replica_init import (
     BROADCAST_BUCKET_BYTES,
+    STREAM_BUCKET_BYTES,
     ReplicaMismatchError,
     ShardedModel,
     assert_replicas_identical,
@@ -64,6 +65,7 @@ from replica_init import (
     build_sharded_model,
     model_fingerprint,
     state_fingerprint,
+    stream_bucket_bytes,
 )
 from rng_fork import (
     SEED_MAX,
@@ -96,6 +98,7 @@ __all__ = [
     "DTYPE_NAMES",
     "SEED_MAX",
     "SEED_MIN",
+    "STREAM_BUCKET_BYTES",
     "SUPPORTED_DISTRIBUTED_STRATEGIES",
     "CheckpointError",
     "CheckpointInfo",
@@ -154,6 +157,7 @@ __all__ = [
     "select_shard_targets",
     "state_fingerprint",
     "strategy_of",
+    "stream_bucket_bytes",
     "torch_dtype",
     "unwrap_compiled",
     "unwrap_ddp_module",

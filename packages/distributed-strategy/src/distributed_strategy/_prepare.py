@@ -81,7 +81,7 @@ def prepare_model(
       ``source="local"`` every rank builds it on the CPU and fsdp-wrap moves it to the device
       unit by unit, keeping only this rank's shards; under ``"rank0"`` only rank 0 builds it
       (on the CPU), the others build on the meta device, and rank 0's tensors are streamed
-      into everyone's shards one at a time. Verification then costs O(model / world) per
+      into everyone's shards in bounded buckets. Verification then costs O(model / world) per
       rank: each rank's shards are checked against a second rank's copy (see
       ``build_sharded_model``).
 

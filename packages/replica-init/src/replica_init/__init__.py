@@ -7,10 +7,12 @@ from replica_init._build import build_replicated_model_from_scratch
 from replica_init._fingerprint import model_fingerprint, state_fingerprint
 from replica_init._sharded import ShardedModel, build_sharded_model
 from replica_init._source import build_replicated_model
+from replica_init._stream import STREAM_BUCKET_BYTES, stream_bucket_bytes
 from replica_init._verify import ReplicaMismatchError, assert_replicas_identical
 
 __all__ = [
     "BROADCAST_BUCKET_BYTES",
+    "STREAM_BUCKET_BYTES",
     "ReplicaMismatchError",
     "ShardedModel",
     "assert_replicas_identical",
@@ -19,4 +21,5 @@ __all__ = [
     "build_sharded_model",
     "model_fingerprint",
     "state_fingerprint",
+    "stream_bucket_bytes",
 ]

@@ -2,8 +2,8 @@
 
 For FSDP-style wrappers (torch's ``fully_shard``): the model is built where the whole of it
 fits (the host, or only rank 0's host), sharded unit by unit onto the device by the caller's
-``shard`` function, and, from rank 0, filled with rank 0's bits one tensor at a time through
-torch's own ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``.
+``shard`` function, and, from rank 0, filled with rank 0's bits a bounded bucket at a time
+(:mod:`replica_init._stream`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from dist_core import DeviceLike, require_current_device, require_process_group, resolve_device
-from replica_init._broadcast import broadcast_coalesced
 from replica_init._build import (
     ModelFactory,
     build_on_meta,
@@ -30,6 +28,7 @@ from replica_init._build import (
 )
 from replica_init._shards import assert_shards_identical, reference_digests
 from replica_init._source import check_same_structure, check_source, materialize
+from replica_init._stream import stream_bucket_bytes, stream_from_rank0, stream_targets
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +74,12 @@ def build_sharded_model(
       (``fully_shard`` keeps only this rank's shards of each unit there).
     - ``source="rank0"``: rank 0 constructs on the CPU, the other ranks build the structure on
       the meta device (host memory: one model, on rank 0 only). Every rank shards its model;
-      the other ranks allocate only their shards (``to_empty``), and rank 0's tensors are
-      streamed into everyone's shards one tensor at a time by torch's
-      ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``.
-      Non-persistent buffers (not in a state dict) are broadcast from rank 0 after it.
-      Tied parameters stay tied.
+      the other ranks allocate only their shards (``to_empty``), and rank 0's tensors
+      (parameters and buffers, non-persistent ones too) are broadcast in packed buckets of
+      at most ``STREAM_BUCKET_BYTES`` or half a rank's share of the model, whichever is
+      less (a larger tensor alone), from which each rank keeps
+      only its part (torch's ``distribute_tensor`` on the parameter's mesh, no further
+      communication). Tied parameters stay tied and are sent once.
 
     Either way the full state equals ``torch.manual_seed(seed);
     torch.set_default_dtype(default_dtype); model_cls(**init_params)`` bit for bit, and the
@@ -157,8 +157,9 @@ def build_sharded_model(
     check_same_structure(model, failure, None)
     assert model is not None
     full: dict[str, torch.Tensor] | None = None
+    whole = sum(t.numel() * t.element_size() for _, t in stream_targets(model))  # meta too
     if source == "rank0" and rank == 0:
-        full = model.state_dict()  # detached references, no copy: sharding replaces the params
+        full = dict(stream_targets(model))  # references, no copy: sharding replaces the params
     references: dict[int, list[tuple[str, str]]] = {}
     if verify:
         with around("verify"):
@@ -172,7 +173,7 @@ def build_sharded_model(
     del model
     if source == "rank0":
         with around("load"):
-            _load_from_rank0(sharded, full, target)
+            _load_from_rank0(sharded, full, target, stream_bucket_bytes(whole, world))
         del full
     fingerprint = None
     if verify:
@@ -183,31 +184,12 @@ def build_sharded_model(
 
 
 def _load_from_rank0(
-    model: nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device
+    model: nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device, bucket: int
 ) -> None:
-    """Fill the other ranks' (meta) shards with rank 0's tensors, streamed one at a time."""
+    """Fill the other ranks' (meta) shards with rank 0's tensors, a bucket at a time."""
     if dist.get_rank() != 0:
         materialize(model, device)
-    state: dict[str, Any] = dict(full) if full is not None else {}
-    set_model_state_dict(
-        model,
-        state,
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True),
-    )
-    buffers = _nonpersistent_buffers(model)
-    if buffers:  # in no state dict: rank 0 sends its own (moved, not changed, by the shard)
-        broadcast_coalesced([b.data for b in buffers], src=0)
-
-
-def _nonpersistent_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """The buffers a state dict leaves out, each once, in name order (the same on every rank)."""
-    found: dict[int, tuple[str, torch.Tensor]] = {}
-    for prefix, module in model.named_modules():
-        for name in sorted(module._non_persistent_buffers_set):
-            buffer = module._buffers.get(name)
-            if buffer is not None and id(buffer) not in found:
-                found[id(buffer)] = (f"{prefix}.{name}" if prefix else name, buffer)
-    return [buffer for _, buffer in sorted(found.values(), key=lambda item: item[0])]
+    stream_from_rank0(stream_targets(model), full, device, bucket_bytes=bucket)
 
 
 @contextlib.contextmanager
