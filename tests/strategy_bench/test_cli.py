@@ -166,6 +166,7 @@ def test_run_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert row["static_error"] <= 0.05, row
         assert row["activation_error"] <= 0.20, row
         assert row["comm_error"] <= 0.01, row
+        assert row["peak_error"] <= 0.10, row  # the tracked step's peak, run vs fake
     assert "estimate vs measured:" in capsys.readouterr().out
     assert_png(estimated / "estimate.png")
     # The init phase per source: "local" holds the whole model on every rank's host,
@@ -428,6 +429,25 @@ def test_user_model_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
         (
             ["run", "--device", "cpu", "--overwrite", "--resume"],
             "--overwrite and --resume exclude each other; pick one",
+        ),
+        (
+            ["estimate", "--device-memory", "-4"],
+            "--device-memory must be a number of GiB above the 2 GiB reserved for the CUDA "
+            "context and NCCL, got -4",
+        ),
+        (
+            ["estimate", "--gpu", "H300"],
+            "--gpu 'H300' is not in the datasheet table; known: B200, H200, H100, A100-80GB",
+        ),
+        (
+            ["estimate", "--gpu", "H100", "--device-memory", "80"],
+            "argument --device-memory: not allowed with argument --gpu",
+        ),
+        (["estimate", "--largest"], "--largest needs the device: give --gpu NAME or"),
+        (
+            ["estimate", "--largest", "--gpu", "H100", *USER_MODEL[:6], "--scale-param", "wide"],
+            "--scale-param 'wide': the model factory 'make_model' takes no such parameter "
+            "(it takes: depth, width)",
         ),
     ],
 )

@@ -13,9 +13,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from distributed_strategy import no_sync
-from strategy_bench._compat import storage_key
+from strategy_bench._compat import fsdp_gather_outputs, storage_key
+from strategy_bench._tracker import LiveTensors
 
 # c10d ops (what DDP's reducer and FSDP2 call) by the collective they are, and which
 # argument holds the data that the collective moves per rank: an all-gather's output, a
@@ -117,12 +119,17 @@ def parameter_counts(model: nn.Module) -> dict[str, int]:
 
 def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the optimizer's state tensors on this rank (AdamW: two moments, a step)."""
-    return local_bytes(
+    return local_bytes(optimizer_state_tensors(optimizer))
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors (AdamW: two moments and a step per parameter)."""
+    return [
         value
         for state in optimizer.state.values()
         for value in state.values()
         if isinstance(value, torch.Tensor)
-    )
+    ]
 
 
 @contextmanager
@@ -168,18 +175,24 @@ def accumulate(
     batches: Sequence[Any],
     autocast: contextlib.AbstractContextManager[Any],
     saved: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    phase: Callable[[str], None] | None = None,
 ) -> None:
     """Forward and backward of one optimizer step: ``len(batches)`` micro-batches.
 
     Every micro-step but the last runs under grad-sync's ``no_sync`` (no gradient
     reduction); each loss is scaled by ``1 / len(batches)``, so the accumulated gradient is
-    the mean over the micro-batches. ``saved`` wraps each forward (the activation count).
+    the mean over the micro-batches. ``saved`` wraps each forward (the activation count);
+    ``phase`` is told ``"forward"`` and ``"backward"`` as each begins (the memory timeline).
     """
     for index, batch in enumerate(batches):
         last = index == len(batches) - 1
         with contextlib.nullcontext() if last else no_sync(model):
+            if phase is not None:
+                phase("forward")
             with saved(), autocast:
                 loss = loss_fn(model, batch)
+            if phase is not None:
+                phase("backward")
             (loss / len(batches)).backward()  # type: ignore[no-untyped-call]
 
 
@@ -189,17 +202,38 @@ def account(
     loss_fn: Callable[[nn.Module, Any], torch.Tensor],
     batches: Sequence[Any],
     autocast: contextlib.AbstractContextManager[Any],
+    *,
+    optimizer_step: Callable[[], Any] | None = None,
+    stand_ins: Iterable[torch.Tensor] = (),
 ) -> dict[str, Any]:
-    """One more (untimed) optimizer step's forward and backward: memory and communication.
+    """One more (untimed) optimizer step: memory and communication.
 
     Parameters, gradients and optimizer state are this rank's local storage (an FSDP rank
     holds about 1/N of each); activations are what one micro-batch's forward saves for
-    backward; the collectives are counted over every micro-batch of the step. The same
-    function measures a real step (``run``) and a step on fake tensors (``estimate``).
+    backward; the collectives are counted over every micro-batch of the step. The live
+    tensors of the whole step (forward, backward, optimizer) are tracked
+    (:class:`LiveTensors`). The same function measures a real step (``run``) and a step on
+    fake tensors (``estimate``).
+
+    Args:
+        model: The wrapped model.
+        optimizer: Its optimizer (stepped once), with its state from an earlier step.
+        loss_fn: The workload's loss.
+        batches: The step's micro-batches.
+        autocast: The compute dtype's context.
+        optimizer_step: Steps the optimizer (default ``optimizer.step``).
+        stand_ins: Tensors that stand in for the model's while the optimizer steps (the
+            estimate's: its optimizer holds meta twins of the fake parameters): known to the
+            tracker, not counted.
 
     Returns:
         ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``ddp_bucket_bytes``,
-        ``activation_peak_bytes``, ``comm_bytes_per_step`` and ``comm_calls_per_step``.
+        ``activation_peak_bytes``, ``comm_bytes_per_step``, ``comm_calls_per_step``, and
+        the tracked step's ``tracked_peak_bytes``, ``peak_phase``, ``peak_parts_bytes``
+        (``model``: parameters, buffers and inputs; ``optimizer``; ``fsdp_gathered``;
+        ``step_tensors``: activations, gradients and temporaries; ``ddp_buckets``: DDP's
+        reducer buckets, held all along) and ``memory_timeline`` (``[phase, bytes]``
+        samples, without the buckets).
     """
     optimizer.zero_grad(set_to_none=True)
     peak = [0]
@@ -210,14 +244,36 @@ def account(
             yield
         peak[0] = max(peak[0], total[0])
 
-    with CommBytes() as comm:
-        accumulate(model, loss_fn, batches, autocast, saved)
+    state = optimizer_state_tensors(optimizer)
+    held = [*model.parameters(), *model.buffers(), *state, *tree_leaves(list(batches))]
+    tracker = LiveTensors(held, fsdp_gather_outputs(model), ignored=stand_ins)
+
+    def phase(name: str) -> None:
+        tracker.phase = name
+
+    with CommBytes() as comm, tracker:
+        accumulate(model, loss_fn, batches, autocast, saved, phase)
+        phase("optimizer")
+        (optimizer_step or optimizer.step)()
+    state_bytes = optimizer_bytes(optimizer)
+    parts = tracker.peak_parts
+    buckets = ddp_bucket_bytes(model)
     out = {
+        "tracked_peak_bytes": tracker.peak + buckets,
+        "peak_phase": tracker.peak_phase,
+        "peak_parts_bytes": {
+            "model": parts["held"] - state_bytes,
+            "optimizer": state_bytes,
+            "fsdp_gathered": parts["gathered"],
+            "step_tensors": parts["step"],
+            "ddp_buckets": buckets,
+        },
+        "memory_timeline": [list(sample) for sample in tracker.timeline()],
         "param_bytes": local_bytes(model.parameters()),
         "optimizer_bytes": optimizer_bytes(optimizer),
         "activation_peak_bytes": peak[0],
         "grad_bytes": local_bytes(p.grad for p in model.parameters()),
-        "ddp_bucket_bytes": ddp_bucket_bytes(model),
+        "ddp_bucket_bytes": buckets,
         "comm_bytes_per_step": dict(comm.bytes),
         "comm_calls_per_step": dict(comm.calls),
     }

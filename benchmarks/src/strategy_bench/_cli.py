@@ -26,7 +26,9 @@ from strategy_bench._estimate import (
     run_estimate,
 )
 from strategy_bench._estimate import SCHEMA as ESTIMATE_SCHEMA
+from strategy_bench._fits import DATASHEET_MEMORY_GIB, DeviceMemory, annotate_fits, device_memory
 from strategy_bench._kept import (
+    OK,
     check_out,
     describe_failure,
     describe_skipped,
@@ -37,6 +39,7 @@ from strategy_bench._kept import (
     require_out_dir,
 )
 from strategy_bench._knobs import step_knobs
+from strategy_bench._largest import PRESET_SCALE_PARAM, largest_lines, scale_start
 from strategy_bench._launch import launch, under_torchrun
 from strategy_bench._plan import Config, Plan, RunOptions, WorkloadSpec
 from strategy_bench._presets import (
@@ -48,7 +51,7 @@ from strategy_bench._presets import (
 from strategy_bench._report import ONE_RANK_NOTE, write_report
 from strategy_bench._results import read_results, write_json_atomic
 from strategy_bench._sweep import parse_memory, recommend, sweep_configs, yaml_section
-from strategy_bench._table import agreement_table, estimate_table, summary_table
+from strategy_bench._table import agreement_table, estimate_table, largest_table, summary_table
 from strategy_bench._worker import configure_logging
 from strategy_bench._workload import check_workload, load_callable, parse_init_params
 from strategy_bench._wrappers import STRATEGIES
@@ -190,6 +193,31 @@ def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="RESULTS.json",
         help="check the estimate against these runs at the world sizes they measured",
+    )
+    device = parser.add_mutually_exclusive_group()
+    device.add_argument(
+        "--device-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="each rank's device memory: every row gets fits and headroom_bytes",
+    )
+    device.add_argument(
+        "--gpu",
+        default=None,
+        metavar="NAME",
+        help=f"the device memory from the datasheet table ({', '.join(DATASHEET_MEMORY_GIB)})",
+    )
+    parser.add_argument(
+        "--largest",
+        action="store_true",
+        help="find the largest model of each family that fits (needs --gpu or --device-memory)",
+    )
+    parser.add_argument(
+        "--scale-param",
+        default=None,
+        metavar="NAME",
+        help="the integer init parameter --largest scales (default: a preset's depth)",
     )
     parser.add_argument("--out", type=Path, default=Path("bench-results/estimate"))
     parser.add_argument(
@@ -450,7 +478,7 @@ def _report(plan: Plan, extra: dict[str, Any]) -> None:
 
 def _estimate(args: argparse.Namespace) -> int:
     """``strategy-bench estimate``: every point on a fake group, then the JSON, plot, tables."""
-    from strategy_bench._plots import plot_estimate
+    from strategy_bench._plots import plot_estimate, plot_largest, plot_timeline
 
     _check_sizes(args)
     for world in args.world_size:
@@ -458,6 +486,11 @@ def _estimate(args: argparse.Namespace) -> int:
             raise BenchUsageError(f"--world-size must be >= 1, got {world}")
     if args.jobs < 1:
         raise BenchUsageError(f"--jobs must be >= 1, got {args.jobs}")
+    device = device_memory(args.gpu, args.device_memory)
+    if args.largest and device is None:
+        raise BenchUsageError("--largest needs the device: give --gpu NAME or --device-memory GIB")
+    if args.scale_param is not None and not args.largest:
+        raise BenchUsageError("--scale-param names what --largest scales; add --largest")
     out: Path = args.out
     require_out_dir(out, "the estimate")
     if (out / "estimate.json").exists() and not args.overwrite:
@@ -468,6 +501,16 @@ def _estimate(args: argparse.Namespace) -> int:
     specs = _workloads(args, "cpu")
     for spec in specs:
         spec.build().meta_model()  # fails here, as one line, if it cannot be built on meta
+    scale_param = args.scale_param
+    if args.largest:
+        if scale_param is None and any(spec.preset is None for spec in specs):
+            raise BenchUsageError(
+                "--largest with --model-factory needs --scale-param NAME (an integer init "
+                "parameter of the factory)"
+            )
+        scale_param = scale_param or PRESET_SCALE_PARAM
+        for spec in specs:
+            scale_start(spec, scale_param)  # an unknown parameter fails here, as one line
     options = EstimateOptions(batch_size=args.batch_size, dtype=args.dtype)
     worlds = list(dict.fromkeys(args.world_size))
     points = estimate_points(
@@ -500,14 +543,41 @@ def _estimate(args: argparse.Namespace) -> int:
         )
 
     rows = run_estimate(specs, points, options, jobs=jobs, progress=progress)
+    if device is not None:
+        rows = [
+            {**row, **annotate_fits(row, device)} if row["status"] == OK else row for row in rows
+        ]
+    largest: list[dict[str, Any]] = []
+    if args.largest:
+        assert device is not None and scale_param is not None
+        largest = _find_largest(args, specs, rows, scale_param, worlds, options, device, jobs)
     env = estimate_environment(options, jobs)
     env["seconds"] = time.monotonic() - begin
     env["peak_rss_bytes"] = peak_rss_bytes(jobs)
+    env["device_memory"] = None if device is None else device.to_json()
     checked = agreement(rows, measured)
-    payload = {"schema": ESTIMATE_SCHEMA, "env": env, "rows": rows, "agreement": checked}
+    payload: dict[str, Any] = {
+        "schema": ESTIMATE_SCHEMA,
+        "env": env,
+        "rows": rows,
+        "agreement": checked,
+    }
+    if args.largest:
+        payload["largest"] = largest
     write_json_atomic(out / "estimate.json", payload)
     png = plot_estimate(rows, out / "estimate.png") if ok_rows(rows) else None
+    timeline = plot_timeline(rows, out / "timeline.png") if ok_rows(rows) else None
     print(estimate_table(rows))
+    if device is not None:
+        print(
+            f"device: {device.name}, {device.total_bytes / 2**30:.1f} GiB less "
+            f"{device.reserve_bytes / 2**30:.1f} GiB reserved for the CUDA context and NCCL"
+        )
+    if largest:
+        print("\nlargest model that fits:\n" + largest_table(largest))
+        print(f"plot: {plot_largest(largest, out / 'largest.png')}")
+    if timeline is not None:
+        print(f"memory timeline: {timeline}")
     print(
         f"estimated in {env['seconds']:.1f} s, peak RSS {env['peak_rss_bytes'] / 2**30:.2f} GiB "
         + ("(one process)" if jobs == 1 else f"at most ({jobs} worker processes included)")
@@ -535,6 +605,51 @@ def _estimate(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _find_largest(
+    args: argparse.Namespace,
+    specs: Sequence[WorkloadSpec],
+    rows: Sequence[dict[str, Any]],
+    scale_param: str,
+    worlds: Sequence[int],
+    options: EstimateOptions,
+    device: DeviceMemory,
+    jobs: int,
+) -> list[dict[str, Any]]:
+    """``--largest``: every family's largest model per strategy and world size."""
+    sys.stderr.write(
+        f"strategy-bench: --largest: bisecting {scale_param} on fake steps, "
+        f"{device.usable_bytes / 2**30:.1f} GiB usable per rank\n"
+    )
+    entries: list[dict[str, Any]] = []
+
+    def progress(entry: dict[str, Any]) -> None:
+        what = f"{entry['strategy']} {entry['model']} {knob_text(entry['knobs'], ' ')}".strip()
+        logger.info(
+            "largest: %s, %d ranks: %s=%s (%d probes)",
+            what,
+            entry["world_size"],
+            scale_param,
+            entry["scale_value"],
+            entry["probes"],
+        )
+
+    for spec in specs:
+        name = spec.build().name
+        entries += largest_lines(
+            spec,
+            scale_param,
+            worlds,
+            options,
+            device,
+            strategies=args.strategies,
+            activation_checkpointing=args.activation_checkpointing,
+            known=[row for row in rows if row["model"] == name],
+            jobs=jobs,
+            progress=progress,
+        )
+    return entries
 
 
 def _check_sizes(args: argparse.Namespace) -> None:

@@ -1,4 +1,4 @@
-"""The private torch APIs that ``strategy-bench estimate`` needs, in one place.
+"""The private torch APIs that ``strategy-bench`` needs, in one place.
 
 torch ships a fake process-group backend (every collective returns at once, no peer) and
 fake tensors (shapes, dtypes and devices without storage) under private module paths; both
@@ -13,10 +13,17 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = ["FakeTensorMode", "fake_process_group", "storage_key"]
+__all__ = [
+    "FakeTensorMode",
+    "fake_process_group",
+    "fsdp_gather_outputs",
+    "storage_key",
+    "unset_fake_temporarily",
+]
 
 
 @contextmanager
@@ -43,6 +50,31 @@ def fake_process_group(world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def storage_key(tensor: torch.Tensor) -> int:
-    """An identity for ``tensor``'s storage, valid while the storage lives (real, meta or fake)."""
-    return int(StorageWeakRef(tensor.untyped_storage()).cdata)  # type: ignore[no-untyped-call]
+def storage_key(tensor: torch.Tensor | torch.UntypedStorage) -> int:
+    """An identity for a storage (or a tensor's), valid while it lives (real, meta or fake)."""
+    storage = tensor.untyped_storage() if isinstance(tensor, torch.Tensor) else tensor
+    return int(StorageWeakRef(storage).cdata)  # type: ignore[no-untyped-call]
+
+
+def fsdp_gather_outputs(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors FSDP2 all-gathers each unit's parameters into, for every unit of ``model``.
+
+    Their storages are resized in place (to the unsharded size when a unit is gathered, to 0
+    when it is resharded), so a memory tracker reads their current size rather than seeing
+    an allocation. torch 2.13 keeps a list of parameter groups per unit; earlier versions
+    one group (``_fsdp_param_group``).
+    """
+    outputs: list[torch.Tensor] = []
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        state = get_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            single = getattr(state, "_fsdp_param_group", None)
+            groups = [] if single is None else [single]
+        for group in groups:
+            for param in group.fsdp_params:
+                outputs.extend(param.all_gather_outputs)
+    return outputs

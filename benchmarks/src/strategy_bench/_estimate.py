@@ -24,8 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from distributed_strategy import materialize
 from strategy_bench import _wrappers
 from strategy_bench._accounting import (
     account,
@@ -34,7 +36,7 @@ from strategy_bench._accounting import (
     local_bytes,
     parameter_counts,
 )
-from strategy_bench._compat import FakeTensorMode, fake_process_group
+from strategy_bench._compat import FakeTensorMode, fake_process_group, unset_fake_temporarily
 from strategy_bench._errors import BenchUsageError, error_summary
 from strategy_bench._init_peak import ModelSizes, init_peaks
 from strategy_bench._kept import FAILED, OK, ok_rows
@@ -153,47 +155,91 @@ def _step(workload: Workload, point: EstimatePoint, options: EstimateOptions) ->
         if point.strategy == "fsdp":
             model = _wrappers.ours("fsdp", model, _CPU, point.knobs)
         shards = local_bytes([*model.parameters(), *model.buffers()])
-        optimizer = _local_optimizer(model.parameters())
+        twins = _LocalOptimizer(model.parameters())
         with FakeTensorMode(allow_non_fake_inputs=True):
-            model.to_empty(device=_CPU)
+            if point.strategy == "ddp":  # the bare model: to_empty alone would untie weights
+                materialize(model, _CPU)
+            else:
+                model.to_empty(device=_CPU)
+            _gather_once(model)
             generator = torch.Generator()
             batches = [
                 workload.make_batch(options.batch_size, _CPU, generator)
                 for _ in range(micro_steps(point.knobs))
             ]
             compute = autocast(options.dtype, _CPU)
-            out = account(model, optimizer, workload.loss, batches, compute)
+            out = account(
+                model,
+                twins.optimizer,
+                workload.loss,
+                batches,
+                compute,
+                optimizer_step=twins.step,
+                stand_ins=twins.stand_ins,
+            )
     if point.strategy == "ddp":
         out.update(_ddp_communication(model))
         as_view = bool(point.knobs.get("gradient_as_bucket_view", False))
         out["ddp_bucket_bytes"] = ddp_bucket_bytes(model, as_view=as_view)
     static = sum(out[f"{kind}_bytes"] for kind in MEMORY_KINDS if kind != "activation_peak")
+    # The bare model stands in for DDP's: its reducer's buckets, as DDP would build them.
+    out["peak_parts_bytes"]["ddp_buckets"] = out["ddp_bucket_bytes"]
+    out["tracked_peak_bytes"] += out["ddp_bucket_bytes"]
     return {
         **counts,
         **out,
         "init_peak_bytes": init_peaks(sizes, point.strategy, shards, point.world_size),
         "static_bytes": static,
         "total_bytes": static + out["activation_peak_bytes"],
+        "peak_bytes": out["tracked_peak_bytes"],
     }
 
 
-def _local_optimizer(parameters: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-    """The training optimizer after one step over this rank's local tensors, on meta.
+class _LocalOptimizer:
+    """The training optimizer over meta twins of this rank's local tensors, stepped once.
 
     Its state (AdamW: two moments per tensor and a step) is created the way a real step
-    creates it, for tensors of the local shapes and dtypes, without storage.
+    creates it, for tensors of the local shapes and dtypes, without storage. :meth:`step`
+    steps it again (the tracked step's optimizer phase: its temporaries are what counts);
+    the twins and their gradients are ``stand_ins`` for the model's own.
     """
-    local = []
-    for param in parameters:
-        tensor = param.to_local() if isinstance(param, DTensor) else param
-        twin = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-        twin.requires_grad_(param.requires_grad)
-        if param.requires_grad:
-            twin.grad = torch.empty_like(twin)
-        local.append(twin)
-    optimizer = training_optimizer(local)
-    optimizer.step()
-    return optimizer
+
+    def __init__(self, parameters: Iterable[torch.Tensor]) -> None:
+        self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []
+        local = []
+        for param in parameters:
+            tensor = param.to_local() if isinstance(param, DTensor) else param
+            twin = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+            twin.requires_grad_(param.requires_grad)
+            if param.requires_grad:
+                twin.grad = torch.empty_like(twin)
+                self._grads.append((twin, twin.grad))
+            local.append(twin)
+        self.stand_ins = [*local, *(grad for _, grad in self._grads)]
+        self.optimizer = training_optimizer(local)
+        self.optimizer.step()
+
+    def step(self) -> None:
+        """Step again with the twins' gradients (``account`` set them to ``None`` first).
+
+        Outside fake mode (the twins are meta tensors; AdamW reads its step count), still
+        inside the tracker.
+        """
+        for twin, grad in self._grads:
+            twin.grad = grad
+        with unset_fake_temporarily():
+            self.optimizer.step()
+
+
+def _gather_once(model: nn.Module) -> None:
+    """Let FSDP initialize its all-gather outputs before the tracked step.
+
+    As in ``run``, where the tracked step follows the timed ones.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard()
+            module.reshard()
 
 
 def _ddp_communication(model: nn.Module) -> dict[str, Any]:
@@ -281,9 +327,11 @@ def estimate_environment(options: EstimateOptions, jobs: int) -> dict[str, Any]:
     }
 
 
-AGREEMENT = {"static": 0.05, "activation": 0.20, "comm": 0.01}
+AGREEMENT = {"static": 0.05, "activation": 0.20, "comm": 0.01, "peak": 0.10}
 """How close an estimate must be to ``run``'s measurement (relative): static bytes
-(parameters, gradients, optimizer state), the activation peak, communication bytes."""
+(parameters, gradients, optimizer state), the activation peak, communication bytes, and the
+step's peak (the estimate's ``peak_bytes`` against the run's ``tracked_peak_bytes``; runs
+recorded before it lack the latter and are not checked on it)."""
 
 
 def agreement(
@@ -307,6 +355,8 @@ def agreement(
             "activation": (row["activation_peak_bytes"], other["activation_peak_bytes"]),
             "comm": (_comm(row), _comm(other)),
         }
+        if other.get("tracked_peak_bytes") is not None and row.get("peak_bytes") is not None:
+            pairs["peak"] = (row["peak_bytes"], other["tracked_peak_bytes"])
         entry: dict[str, Any] = {
             "model": row["model"],
             "strategy": row["strategy"],

@@ -124,6 +124,8 @@ def merge_ranks(
     raw_cold = _slowest_rank(per_rank, "raw_wrap_cold_ms_all")
     wrap_ms = max(r["wrap_ms"] for r in per_rank)
     raw_wrap_ms = max(r["raw_wrap_ms"] for r in per_rank)
+    # The tracked step's peak: the largest rank's, with what made it and its timeline.
+    tracked = max(per_rank, key=lambda r: r.get("tracked_peak_bytes") or 0)
     row: dict[str, Any] = {
         "status": OK,
         "strategy": strategy,
@@ -162,6 +164,11 @@ def merge_ranks(
         "peak_mem_per_rank": [r["peak_mem_bytes"] for r in per_rank],
         "peak_reserved_bytes": max(r["peak_reserved_bytes"] for r in per_rank),
         "peak_reserved_per_rank": [r["peak_reserved_bytes"] for r in per_rank],
+        "tracked_peak_bytes": tracked.get("tracked_peak_bytes"),
+        "tracked_peak_per_rank": [r.get("tracked_peak_bytes") for r in per_rank],
+        "peak_phase": tracked.get("peak_phase"),
+        "peak_parts_bytes": tracked.get("peak_parts_bytes"),
+        "memory_timeline": tracked.get("memory_timeline"),
         **{
             f"{kind}_bytes": max(r.get(f"{kind}_bytes", 0) for r in per_rank)
             for kind in MEMORY_KINDS

@@ -71,10 +71,21 @@ def _render(lines: Sequence[tuple[str, ...]]) -> str:
 
 def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """``strategy-bench estimate``'s table: one line per point and world size, per rank."""
-    unit, scale = byte_unit(max((row["total_bytes"] for row in ok_rows(rows)), default=0))
+    largest = max(
+        (max(r["total_bytes"], r.get("peak_bytes") or 0) for r in ok_rows(rows)), default=0
+    )
+    unit, scale = byte_unit(largest)
+    with_fits = any("fits" in row for row in rows)
 
     def size(value: float) -> str:
         return f"{value / scale:.2f}"
+
+    def fits(row: Mapping[str, Any]) -> tuple[str, ...]:
+        if not with_fits:
+            return ()
+        if "fits" not in row:
+            return ("-",)
+        return (f"{'yes' if row['fits'] else 'NO'} ({size(row['headroom_bytes'])})",)
 
     header = (
         "model",
@@ -87,6 +98,8 @@ def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
         "DDP buckets",
         "activations",
         f"total {unit}",
+        f"peak {unit}",
+        *((f"fits (headroom {unit})",) if with_fits else ()),
         f"comm {unit}/step",
         "init host r0/others, device: local | rank0",
     )
@@ -121,6 +134,8 @@ def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
                 size(row.get("ddp_bucket_bytes") or 0),
                 size(row["activation_peak_bytes"]),
                 size(row["total_bytes"]),
+                size(row["peak_bytes"]) if row.get("peak_bytes") is not None else "-",
+                *fits(row),
                 " ".join(f"{kind} {size(value)}" for kind, value in comm.items()) or "-",
                 init(row) or "-",
             )
@@ -138,6 +153,7 @@ def agreement_table(rows: Sequence[Mapping[str, Any]], *, markdown: bool = False
         "static MiB est/meas (err)",
         "activations MiB est/meas (err)",
         "comm MiB est/meas (err)",
+        "peak MiB est/meas (err)",
         "within tolerance",
     )
     lines: list[tuple[str, ...]] = [header]
@@ -145,7 +161,9 @@ def agreement_table(rows: Sequence[Mapping[str, Any]], *, markdown: bool = False
         cells = [
             f"{row[f'{kind}_estimated'] / 2**20:.2f} / {row[f'{kind}_measured'] / 2**20:.2f} "
             f"({100 * row[f'{kind}_error']:.1f}%)"
-            for kind in ("static", "activation", "comm")
+            if f"{kind}_error" in row
+            else "-"
+            for kind in ("static", "activation", "comm", "peak")
         ]
         lines.append(
             (
@@ -162,3 +180,27 @@ def agreement_table(rows: Sequence[Mapping[str, Any]], *, markdown: bool = False
     table = [f"| {' | '.join(line)} |" for line in lines]
     table.insert(1, "|" + "---|" * len(header))
     return "\n".join(table)
+
+
+def largest_table(entries: Sequence[Mapping[str, Any]]) -> str:
+    """``estimate --largest``: the largest model per strategy (and knobs) and world size."""
+    header = ("model", "strategy", "knobs", "ranks", "scaled", "largest", "params", "peak GiB")
+    lines: list[tuple[str, ...]] = [header]
+    for entry in entries:
+        value = entry["scale_value"]
+        largest = "none fits" if value is None else f"{'>= ' if entry['at_least'] else ''}{value}"
+        params = entry["largest_params"]
+        peak = entry["peak_bytes"]
+        lines.append(
+            (
+                str(entry["model"]),
+                str(entry["strategy"]),
+                knob_text(entry.get("knobs")) or "-",
+                str(entry["world_size"]),
+                str(entry["scale_param"]),
+                largest,
+                "-" if params is None else f"{params / 1e9:.2f} B",
+                "-" if peak is None else f"{peak / 2**30:.2f}",
+            )
+        )
+    return _render(lines)

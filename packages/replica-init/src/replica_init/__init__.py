@@ -6,7 +6,7 @@ from replica_init._broadcast import BROADCAST_BUCKET_BYTES
 from replica_init._build import build_replicated_model_from_scratch
 from replica_init._fingerprint import model_fingerprint, state_fingerprint
 from replica_init._sharded import ShardedModel, build_sharded_model
-from replica_init._source import build_replicated_model
+from replica_init._source import build_replicated_model, materialize
 from replica_init._stream import STREAM_BUCKET_BYTES, stream_bucket_bytes
 from replica_init._verify import ReplicaMismatchError, assert_replicas_identical
 
@@ -19,6 +19,7 @@ __all__ = [
     "build_replicated_model",
     "build_replicated_model_from_scratch",
     "build_sharded_model",
+    "materialize",
     "model_fingerprint",
     "state_fingerprint",
     "stream_bucket_bytes",

@@ -1,0 +1,62 @@
+"""``estimate``'s device memory (``fits``, ``headroom_bytes``) and ``--largest``, in-process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from strategy_bench import main
+from strategy_bench._fits import DEVICE_RESERVE_BYTES
+
+TINY = ["estimate", "--models", "tiny", "--batch-size", "1", "--jobs", "1"]
+
+
+def _estimate(out: Path, *args: str) -> dict[str, Any]:
+    assert main([*TINY, *args, "--out", str(out)]) == 0
+    return json.loads((out / "estimate.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_fits_flips_at_the_rows_own_peak(tmp_path: Path) -> None:
+    first = _estimate(tmp_path / "plain", "--world-size", "2")
+    row = next(r for r in first["rows"] if r["strategy"] == "fsdp" and not r["knobs"])
+    # The peak is the sum of its parts, each a field.
+    parts = row["peak_parts_bytes"]
+    assert row["peak_bytes"] == row["tracked_peak_bytes"] > 0
+    assert parts["optimizer"] == row["optimizer_bytes"] and parts["fsdp_gathered"] > 0
+    assert row["peak_phase"] in ("forward", "backward", "optimizer")
+    exact = row["peak_bytes"] + DEVICE_RESERVE_BYTES
+    for extra, fits in ((0, True), (-1, False), (1, True)):
+        out = tmp_path / f"device{extra}"
+        gib = (exact + extra) / 2**30
+        again = _estimate(out, "--world-size", "2", "--device-memory", repr(gib))
+        same = next(r for r in again["rows"] if r["strategy"] == "fsdp" and not r["knobs"])
+        assert same["peak_bytes"] == row["peak_bytes"]
+        assert same["fits"] is fits and same["headroom_bytes"] == extra, (extra, same)
+        assert again["env"]["device_memory"]["usable_bytes"] == row["peak_bytes"] + extra
+
+
+def test_largest_grows_with_the_world_under_fsdp_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A 6 MiB device (after the reserve): the tiny family scaled in depth, at 2 and 8 ranks."""
+    gib = (DEVICE_RESERVE_BYTES + 6 * 2**20) / 2**30
+    args = ["--world-size", "2", "8", "--device-memory", repr(gib), "--largest"]
+    estimate = _estimate(tmp_path, *args)
+    largest = {
+        (e["strategy"], tuple(sorted(e["knobs"].items())), e["world_size"]): e
+        for e in estimate["largest"]
+    }
+    ddp = [largest[("ddp", (), world)] for world in (2, 8)]
+    fsdp = [largest[("fsdp", (), world)] for world in (2, 8)]
+    assert ddp[0]["scale_value"] == ddp[1]["scale_value"] >= 1  # every rank holds it all
+    assert fsdp[1]["scale_value"] > fsdp[0]["scale_value"] > ddp[0]["scale_value"]
+    assert fsdp[1]["largest_params"] > fsdp[0]["largest_params"]
+    for entry in largest.values():
+        assert entry["scale_param"] == "depth" and not entry["at_least"]
+        assert 0 <= entry["headroom_bytes"] < entry["peak_bytes"]
+    assert (tmp_path / "largest.png").stat().st_size > 0
+    assert (tmp_path / "timeline.png").stat().st_size > 0
+    assert "largest model that fits:" in capsys.readouterr().out
