@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared device check, from the source tree: a probe, the CUDA/NCCL tests, FSDP's init
-# memory, the CUDA benchmark, a short knob sweep and a single-process clip/save/load.
+# memory, the CUDA benchmark, the estimate's agreement with it (the peak included), a short
+# knob sweep and a single-process clip/save/load.
 #
 # For a GPU machine without nox or network (torch, matplotlib, pytest and numpy preinstalled):
 #     OUT=/somewhere bash benchmarks/device_check.sh
@@ -141,6 +142,14 @@ step bench 200 bash -c '"$0" -m strategy_bench run --device "$1" --models $2 --d
   --strategies ddp fsdp --steps "$4" --warmup 3 --out "$5" --overwrite \
   --timeout "$((STEP_LIMIT > 30 ? STEP_LIMIT - 10 : STEP_LIMIT))"' \
   "$py" "$device" "$models" "$dtype" "$steps" "$work/bench"
+
+# The estimate's per-rank peak against the bench's tracked peak (on CUDA the allocator's
+# max_memory_allocated over one more step): --compare exits 1 beyond the tolerance (peak 10%).
+# shellcheck disable=SC2086  # $models is a list of names
+step estimate_agreement 60 bash -c '"$0" -m strategy_bench estimate --models $1 --dtype "$2" \
+  --strategies ddp fsdp --world-size 1 2 --jobs 2 --compare "$3/bench/results.json" \
+  --out "$3/estimate" --overwrite' \
+  "$py" "$models" "$dtype" "$work"
 
 # The step knobs on the device: compile (inductor/Triton), activation checkpointing and
 # gradient accumulation, on the smallest preset. (On a 2-core CPU, inductor's C++ build of one

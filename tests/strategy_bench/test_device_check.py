@@ -25,7 +25,15 @@ def test_budget_is_kept_and_each_step_is_recorded(tmp_path: Path) -> None:
     assert summary["total_s"] <= 16 + 2
     assert not summary["ok"]
     names = [s["name"] for s in summary["steps"]]
-    assert names == ["probe", "tests", "fsdp_init_memory", "single_process", "bench", "sweep"]
+    assert names == [
+        "probe",
+        "tests",
+        "fsdp_init_memory",
+        "single_process",
+        "bench",
+        "estimate_agreement",
+        "sweep",
+    ]
     with tarfile.open(tmp_path / "logs.tar.gz") as logs:
         packed = {Path(name).name for name in logs.getnames()}
     for entry in summary["steps"]:
