@@ -113,3 +113,77 @@ def every_worker(rank: int, world_size: int, workers: list[tuple[str, str]], tmp
         args = (tmp,) if module == "checkpoint_workers" else ()
         results.append(worker(rank, world_size, *args))
     return results
+
+
+def hsdp_against_ddp_and_fsdp(rank: int, world_size: int, folder: str) -> dict[str, Any]:
+    """DDP, FSDP and HSDP (2 x 2) from one seed: 3 optimizer steps of 2 accumulated
+    micro-batches (the first under no_sync) with the gradient clipped to norm 0.5; the HSDP
+    model's checkpoint, and a DDP model loaded from it."""
+    import torch.distributed as dist
+
+    from distributed_strategy import (
+        clip_grad_norm,
+        load_checkpoint,
+        no_sync,
+        save_checkpoint,
+        strategy_of,
+    )
+
+    out: dict[str, Any] = {}
+    configs = {
+        "ddp": {"strategy": "ddp"},
+        "fsdp": {"strategy": "fsdp"},
+        "hsdp": {"strategy": "hsdp", "replicate": 2, "shard": 2},
+    }
+    models: dict[str, nn.Module] = {}
+    for name, config in configs.items():
+        model = prepare_model(
+            Regressor,
+            {"width": 8},
+            config=config,
+            device=rank_device(),
+            default_dtype=torch.float32,
+            seed=SEED,
+            trainable=freeze_encoder,
+        )
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        data = torch.Generator().manual_seed(derive_seed(SEED, "data", rank))
+        norms = []
+        for _ in range(STEPS):
+            for micro in range(2):
+                x = torch.randn(4, 8, generator=data).to(rank_device())
+                with no_sync(model) if micro == 0 else _nothing():
+                    loss = (model(x) - x.sum(1, keepdim=True)).pow(2).mean() / 2
+                    loss.backward()
+            norms.append(float(clip_grad_norm(model, 0.5)))
+            if name == "hsdp":  # the gradients agree across the replicas (ranks r and r + 2)
+                local = torch.cat(
+                    [p.grad.to_local().flatten() for p in model.parameters() if p.grad is not None]
+                )
+                gathered: list[Any] = [None] * world_size  # shard sizes differ by rank
+                dist.all_gather_object(gathered, local.tolist())
+                out.setdefault("replicas_in_sync", []).append(
+                    all(gathered[r] == gathered[r + 2] for r in range(2))
+                )
+            optimizer.step()
+            optimizer.zero_grad()
+        out[name] = {"final": _full_weights(model), "norms": norms, "kind": strategy_of(model)}
+        models[name] = model
+        if name in ("fsdp", "hsdp"):
+            save_checkpoint(f"{folder}/{name}", model, optimizer, step=STEPS)
+    # An HSDP checkpoint resumes under DDP.
+    ddp = models["ddp"]
+    with torch.no_grad():
+        for param in ddp.parameters():
+            param.add_(1.0)
+    info = load_checkpoint(f"{folder}/hsdp", ddp)
+    out["ddp_from_hsdp"] = {"final": _full_weights(ddp), "step": info.step}
+    return out
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: object) -> None:
+        return None

@@ -73,7 +73,7 @@ class TestResolveConfig:
             resolve_config(3)  # type: ignore[arg-type]
         with pytest.raises(
             ValueError,
-            match=r"^training.distributed.strategy must be one of \{ddp, fsdp\}, got 'dpp'",
+            match=r"^training.distributed.strategy must be one of \{ddp, fsdp, hsdp\}, got 'dpp'",
         ):
             resolve_config("dpp")
         with pytest.raises(

@@ -44,7 +44,11 @@ def test_ddp_and_fsdp_train_to_the_same_weights(variant: tuple[str, int]) -> Non
 @pytest.mark.parametrize(
     ("config", "error", "message"),
     [
-        ("dpp", ValueError, "training.distributed.strategy must be one of {ddp, fsdp}, got 'dpp'"),
+        (
+            "dpp",
+            ValueError,
+            "training.distributed.strategy must be one of {ddp, fsdp, hsdp}, got 'dpp'",
+        ),
         (
             {"strategy": " FSDP ", "param_dtype": "bf61"},
             ValueError,
@@ -220,3 +224,42 @@ def test_fsdp_from_rank0_never_holds_the_whole_model(monkeypatch: pytest.MonkeyP
     for rank in (r0, r1):
         assert rank["tied"]
         assert rank["full"] == rank["reference"]
+
+
+@pytest.mark.multiprocess
+def test_hsdp_trains_like_ddp_and_fsdp_and_its_checkpoint_moves(tmp_path: Path) -> None:
+    """4 gloo ranks as 2 x 2 (one spawn, about 15 s here): the same weights as DDP and FSDP
+    after 3 steps of accumulation and clipping, replicas in sync, the clip norm DDP's; the
+    HSDP checkpoint loads under DDP and in one process, its replicated shards written once."""
+    from distributed_strategy import load_checkpoint, strategy_of
+    from integration_workers import freeze_encoder, hsdp_against_ddp_and_fsdp
+
+    ranks = run_ranks(hsdp_against_ddp_and_fsdp, str(tmp_path), world_size=4)
+    first = ranks[0]
+    assert first["hsdp"]["kind"] == "hsdp" and first["fsdp"]["kind"] == "fsdp"
+    assert all(all(rank["replicas_in_sync"]) for rank in ranks)
+    for rank in ranks:
+        assert rank["hsdp"]["final"] == first["hsdp"]["final"]  # every rank, bit for bit
+        for theirs, mine in zip(rank["ddp"]["norms"], rank["hsdp"]["norms"], strict=True):
+            assert abs(theirs - mine) <= 1e-5 * max(1.0, theirs)
+        assert max(rank["hsdp"]["norms"]) > 0.5  # the clip did act
+    for name, ddp_weight in first["ddp"]["final"].items():
+        for strategy in ("fsdp", "hsdp"):
+            other = torch.tensor(first[strategy]["final"][name])
+            assert torch.allclose(torch.tensor(ddp_weight), other, rtol=1e-5, atol=1e-6), name
+    # The HSDP checkpoint under DDP, and in one process.
+    assert first["ddp_from_hsdp"]["step"] == 3
+    assert first["ddp_from_hsdp"]["final"] == first["hsdp"]["final"]
+    torch.manual_seed(0)
+    plain = Regressor(width=8)
+    freeze_encoder(plain)
+    info = load_checkpoint(tmp_path / "hsdp", plain)
+    assert info.strategy == "hsdp" and strategy_of(plain) == "none"
+    loaded = {name: t.tolist() for name, t in plain.state_dict().items()}
+    assert loaded == first["hsdp"]["final"]
+    # Replicated shards are written once: the HSDP checkpoint is the FSDP one's size.
+    sizes = {
+        name: sum(f.stat().st_size for f in (tmp_path / name).glob("*.distcp"))
+        for name in ("fsdp", "hsdp")
+    }
+    assert 0 < sizes["hsdp"] <= 1.05 * sizes["fsdp"], sizes

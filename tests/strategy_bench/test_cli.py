@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -217,6 +218,59 @@ def test_under_torchrun(tmp_path: Path) -> None:
     assert [(r["strategy"], r["world_size"]) for r in payload["results"]] == [("ddp", 2)]
     assert done.stdout.count("results: ") == 1  # rank 0 alone reports
     assert_png(tmp_path / "throughput.png")
+
+
+@pytest.mark.multiprocess
+def test_hsdp_point_under_torchrun_two_nodes_of_two(tmp_path: Path) -> None:
+    """Two torchrun agents on loopback, 2 ranks each (about 30 s here): HSDP shards within a
+    node and replicates across the two; its bytes are split by mesh dimension."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+
+    def torchrun(node: int) -> tuple[str, ...]:
+        return (
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "2",
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+        )
+
+    args = ("run", "--device", "cpu", "--models", "tiny", "--strategies", "hsdp")
+    args += ("--steps", "2", "--warmup", "1", "--batch-size", "2", "--out", str(tmp_path))
+    path = os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path}
+    other = subprocess.Popen(
+        [sys.executable, *torchrun(1), "-m", "strategy_bench", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**env, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        done = bench(*args, launcher=torchrun(0))
+        _, other_err = other.communicate(timeout=120)
+    finally:
+        other.kill()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert other.returncode == 0, other_err[-3000:]
+    (row,) = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert (row["strategy"], row["world_size"], row["status"]) == ("hsdp", 4, "ok")
+    by_dim = row["comm_bytes_by_dim"]
+    assert set(by_dim) == {"shard", "replicate"}
+    assert set(by_dim["shard"]) == {"all_gather", "reduce_scatter"}
+    assert set(by_dim["replicate"]) == {"all_reduce"}
+    # Each replica all-reduces its half of the gradients: half the shard group's input.
+    assert 2 * by_dim["replicate"]["all_reduce"] == by_dim["shard"]["reduce_scatter"]
+    assert "HSDP ran at" in (tmp_path / "report.md").read_text()
 
 
 @pytest.mark.multiprocess

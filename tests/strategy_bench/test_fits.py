@@ -60,3 +60,20 @@ def test_largest_grows_with_the_world_under_fsdp_only(
     assert (tmp_path / "largest.png").stat().st_size > 0
     assert (tmp_path / "timeline.png").stat().st_size > 0
     assert "largest model that fits:" in capsys.readouterr().out
+
+
+def test_hsdp_keeps_all_but_the_replicas_all_reduce_inside_the_node(tmp_path: Path) -> None:
+    """8 GPUs per node at 16, 64 and 512 ranks, from the counted bytes of each fake step:
+    HSDP sends less than FSDP across nodes by at least the shard degree (8), and nothing
+    crosses a node at 8 ranks."""
+    args = ["--world-size", "8", "16", "64", "512", "--strategies", "fsdp", "hsdp"]
+    estimate = _estimate(tmp_path, *args, "--gpus-per-node", "8")
+    rows = {(r["strategy"], r["world_size"]): r for r in estimate["rows"] if not r["knobs"]}
+    assert ("hsdp", 8) not in rows  # one node: HSDP would be FSDP
+    assert rows[("fsdp", 8)]["comm_bytes_by_scope"]["inter_node"] == 0
+    for world in (16, 64, 512):
+        fsdp = rows[("fsdp", world)]["comm_bytes_by_scope"]
+        hsdp = rows[("hsdp", world)]["comm_bytes_by_scope"]
+        assert fsdp["intra_node"] == 0 and fsdp["inter_node"] > 0
+        assert 0 < hsdp["inter_node"] * 8 <= fsdp["inter_node"], (world, hsdp, fsdp)
+        assert hsdp["intra_node"] > 0

@@ -151,3 +151,80 @@ def test_load_distributed_config_rejects_scalars() -> None:
 def test_load_reports_unknown_keys() -> None:
     with pytest.raises(ValueError, match="'statc_graph' \\(did you mean 'static_graph'\\?\\)"):
         load_distributed_config({"distributed": {"statc_graph": True}})
+
+
+def test_hsdp_mesh_shape_defaults_to_the_ranks_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = DistributedConfig.from_mapping({"strategy": "HSDP"})
+    assert config.strategy == "hsdp" and not config.is_ddp
+    assert config.hsdp_mesh_shape(16, 8) == (2, 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert config.hsdp_mesh_shape(8) == (2, 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert config.hsdp_mesh_shape(4) == (1, 4)  # one node
+    assert DistributedConfig(strategy="hsdp", replicate=2, shard=2).hsdp_mesh_shape(4, 4) == (2, 2)
+    assert DistributedConfig(strategy="hsdp", replicate=4).hsdp_mesh_shape(8, 8) == (4, 2)
+    assert config.fsdp_options() == DistributedConfig().fsdp_options()
+
+
+@pytest.mark.parametrize(
+    ("mapping", "world", "local", "error", "message"),
+    [
+        (
+            {"strategy": "hsdp", "replicate": 3, "shard": 2},
+            4,
+            4,
+            ValueError,
+            "training.distributed.replicate * training.distributed.shard must equal the world "
+            "size 4, got 3 * 2 = 6; e.g. replicate: 1, shard: 4",
+        ),
+        (
+            {"strategy": "hsdp", "shard": 3},
+            6,
+            4,
+            ValueError,
+            "training.distributed.shard=3 must divide the ranks per node (LOCAL_WORLD_SIZE=4)",
+        ),
+        (
+            {"strategy": "hsdp", "shard": 0},
+            4,
+            4,
+            ValueError,
+            "training.distributed.shard must be >= 1 (a number of ranks), got 0",
+        ),
+        (
+            {"strategy": "hsdp", "replicate": "2"},
+            4,
+            4,
+            TypeError,
+            "training.distributed.replicate must be int (a number of ranks), got str ('2')",
+        ),
+        (
+            {"strategy": "fsdp", "shard": 2},
+            4,
+            4,
+            ValueError,
+            "training.distributed.shard is an HSDP degree, but training.distributed.strategy is "
+            "'fsdp'; set strategy: hsdp, or remove shard",
+        ),
+        (
+            {"strategy": "hsdp", "replicat": 2},
+            4,
+            4,
+            ValueError,
+            "unknown key(s) in training.distributed: 'replicat' (did you mean 'replicate'?)",
+        ),
+        (
+            {"strategy": "ddp"},
+            4,
+            4,
+            ValueError,
+            "training.distributed.strategy is 'ddp': only HSDP has a 2-D mesh",
+        ),
+    ],
+)
+def test_bad_hsdp_configs_are_one_line_errors(
+    mapping: dict[str, object], world: int, local: int, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error) as raised:
+        DistributedConfig.from_mapping(mapping).hsdp_mesh_shape(world, local)
+    assert message in str(raised.value) and "\n" not in str(raised.value)

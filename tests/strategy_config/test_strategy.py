@@ -17,7 +17,7 @@ from strategy_config import (
 
 
 def test_constants() -> None:
-    assert SUPPORTED_DISTRIBUTED_STRATEGIES == frozenset({"ddp", "fsdp"})
+    assert SUPPORTED_DISTRIBUTED_STRATEGIES == frozenset({"ddp", "fsdp", "hsdp"})
     assert DEFAULT_DISTRIBUTED_STRATEGY == "fsdp"
 
 
@@ -41,7 +41,7 @@ def test_unknown_strategy_message_and_hint() -> None:
     with pytest.raises(ValueError, match=r"did you mean 'ddp'\?") as info:
         normalize_distributed_strategy("  DPP ")
     assert str(info.value).startswith(
-        "training.distributed.strategy must be one of {ddp, fsdp}, got 'dpp'"
+        "training.distributed.strategy must be one of {ddp, fsdp, hsdp}, got 'dpp'"
     )
 
 
@@ -49,7 +49,7 @@ def test_unknown_strategy_without_close_match_has_no_hint() -> None:
     with pytest.raises(ValueError) as info:
         normalize_distributed_strategy("deepspeed")
     assert str(info.value) == (
-        "training.distributed.strategy must be one of {ddp, fsdp}, got 'deepspeed'"
+        "training.distributed.strategy must be one of {ddp, fsdp, hsdp}, got 'deepspeed'"
     )
 
 

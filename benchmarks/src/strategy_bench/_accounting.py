@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -16,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from distributed_strategy import no_sync
-from strategy_bench._compat import fsdp_gather_outputs, storage_key
+from strategy_bench._compat import collective_group, fsdp_gather_outputs, storage_key
 from strategy_bench._tracker import LiveTensors
 
 # c10d ops (what DDP's reducer and FSDP2 call) by the collective they are, and which
@@ -43,13 +44,16 @@ class CommBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     A dispatch mode sees the c10d ops that DDP's reducer and FSDP2 issue, also from
     backward. ``bytes`` maps ``all_reduce`` / ``all_gather`` / ``reduce_scatter`` /
-    ``broadcast`` to bytes; ``calls`` to the number of collectives.
+    ``broadcast`` to bytes; ``calls`` to the number of collectives; ``by_group`` the same
+    bytes per process group (HSDP's shard and replicate groups; ``None`` when the op names
+    none).
     """
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
+        self.by_group: dict[dist.ProcessGroup | None, dict[str, int]] = {}
 
     def __torch_dispatch__(
         self,
@@ -65,8 +69,11 @@ class CommBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if kind is not None:
                 name, index = kind
                 data = out if index < 0 else args[index]
-                self.bytes[name] += _nbytes(data)
+                size = _nbytes(data)
+                self.bytes[name] += size
                 self.calls[name] += 1
+                group = self.by_group.setdefault(collective_group(args), {})
+                group[name] = group.get(name, 0) + size
         return out
 
 
@@ -276,6 +283,56 @@ def account(
         "ddp_bucket_bytes": buckets,
         "comm_bytes_per_step": dict(comm.bytes),
         "comm_calls_per_step": dict(comm.calls),
+        "comm_bytes_by_dim": bytes_by_dim(model, comm.by_group),
+        "comm_groups": group_ranks(model, comm.by_group),
     }
     optimizer.zero_grad(set_to_none=True)
     return out
+
+
+def mesh_dims(model: nn.Module) -> dict[dist.ProcessGroup, str]:
+    """The model's mesh dimensions by process group.
+
+    HSDP's ``replicate`` and ``shard``, FSDP's one dimension as ``shard``; empty for a model
+    without ``DTensor`` parameters.
+    """
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None:
+            names = mesh.mesh_dim_names or (("shard",) if mesh.ndim == 1 else ())
+            return {mesh.get_group(i): name for i, name in enumerate(names)}
+    return {}
+
+
+def bytes_by_dim(
+    model: nn.Module, by_group: dict[dist.ProcessGroup | None, dict[str, int]]
+) -> dict[str, dict[str, int]]:
+    """The step's bytes per mesh dimension.
+
+    ``shard``, ``replicate`` (HSDP), and ``world`` for collectives over another group (DDP's
+    all-reduce over every rank).
+    """
+    dims = mesh_dims(model)
+    out: dict[str, dict[str, int]] = {}
+    for group, kinds in by_group.items():
+        name = dims.get(group, "world") if group is not None else "world"
+        into = out.setdefault(name, {})
+        for kind, size in kinds.items():
+            into[kind] = into.get(kind, 0) + size
+    return out
+
+
+def group_ranks(
+    model: nn.Module, by_group: dict[dist.ProcessGroup | None, dict[str, int]]
+) -> list[dict[str, Any]]:
+    """Each collective group of the step: its global ``ranks``, mesh ``dim`` and ``bytes``."""
+    dims = mesh_dims(model)
+    world = list(range(dist.get_world_size())) if dist.is_initialized() else [0]
+    return [
+        {
+            "ranks": world if group is None else dist.get_process_group_ranks(group),
+            "dim": "world" if group is None else dims.get(group, "world"),
+            "bytes": sum(kinds.values()),
+        }
+        for group, kinds in by_group.items()
+    ]

@@ -17,6 +17,7 @@ import torch
 from strategy_bench._errors import BenchUsageError
 from strategy_bench._estimate import (
     AGREEMENT,
+    DEFAULT_GPUS_PER_NODE,
     DEFAULT_WORLD_SIZES,
     EstimateOptions,
     agreement,
@@ -54,7 +55,7 @@ from strategy_bench._sweep import parse_memory, recommend, sweep_configs, yaml_s
 from strategy_bench._table import agreement_table, estimate_table, largest_table, summary_table
 from strategy_bench._worker import configure_logging
 from strategy_bench._workload import check_workload, load_callable, parse_init_params
-from strategy_bench._wrappers import STRATEGIES
+from strategy_bench._wrappers import HSDP_MIN_WORLD, STRATEGIES, hsdp_shape
 
 USAGE_EXIT = 2
 
@@ -76,7 +77,13 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = commands.add_parser("run", help="measure every strategy x model")
     _add_run_arguments(run)
-    run.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    run.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=STRATEGIES,
+        default=None,
+        help="default: ddp fsdp, and hsdp at 4 ranks or more",
+    )
     sweep = commands.add_parser("sweep", help="sweep the strategy knobs and recommend a config")
     _add_run_arguments(sweep)
     sweep.add_argument(
@@ -173,7 +180,20 @@ def _add_estimate_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="world sizes to estimate (default: 2 8 64 512)",
     )
-    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=STRATEGIES,
+        default=list(STRATEGIES),
+        help="default: all (HSDP where the world spans more than one node)",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=DEFAULT_GPUS_PER_NODE,
+        metavar="N",
+        help="ranks per node: HSDP's shard degree, and what stays inside a node (default 8)",
+    )
     parser.add_argument(
         "--activation-checkpointing",
         action="store_true",
@@ -321,7 +341,9 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
     extra: dict[str, Any] = {"command": args.command}
     if args.command == "sweep":
         bf16 = device == "cpu" or _cuda_bf16()
-        configs = sweep_configs(len(workloads), bf16, knobs=args.knobs)
+        configs = sweep_configs(
+            len(workloads), bf16, knobs=args.knobs, hsdp=world >= HSDP_MIN_WORLD
+        )
         extra["memory_budget"] = (
             None if args.memory_budget is None else parse_memory(args.memory_budget)
         )
@@ -334,7 +356,7 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         configs = [
             Config(workload=index, strategy=strategy)
             for index in range(len(workloads))
-            for strategy in args.strategies
+            for strategy in _run_strategies(args.strategies, world)
         ]
         budget = None
     prior = check_out(args.out, overwrite=args.overwrite, resume=args.resume)
@@ -366,6 +388,15 @@ def _plan(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         peak_tflops=args.peak_tflops,
     )
     return plan, extra
+
+
+def _run_strategies(requested: Sequence[str] | None, world: int) -> list[str]:
+    """``--strategies``, or the default: DDP and FSDP, and HSDP where the world allows it."""
+    if requested is None:
+        return [s for s in STRATEGIES if s != "hsdp" or world >= HSDP_MIN_WORLD]
+    if "hsdp" in requested:
+        hsdp_shape(world)  # too few ranks: one line, exit 2
+    return list(dict.fromkeys(requested))
 
 
 def _resolve_device(requested: str) -> str:
@@ -511,13 +542,18 @@ def _estimate(args: argparse.Namespace) -> int:
         scale_param = scale_param or PRESET_SCALE_PARAM
         for spec in specs:
             scale_start(spec, scale_param)  # an unknown parameter fails here, as one line
-    options = EstimateOptions(batch_size=args.batch_size, dtype=args.dtype)
+    if args.gpus_per_node < 1:
+        raise BenchUsageError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+    options = EstimateOptions(
+        batch_size=args.batch_size, dtype=args.dtype, gpus_per_node=args.gpus_per_node
+    )
     worlds = list(dict.fromkeys(args.world_size))
     points = estimate_points(
         len(specs),
         args.strategies,
         worlds,
         activation_checkpointing=args.activation_checkpointing,
+        gpus_per_node=args.gpus_per_node,
     )
     jobs = min(args.jobs, len(points))
     sys.stderr.write(

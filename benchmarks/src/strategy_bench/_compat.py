@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
     "FakeTensorMode",
+    "collective_group",
     "fake_process_group",
     "fsdp_gather_outputs",
     "storage_key",
@@ -78,3 +80,23 @@ def fsdp_gather_outputs(model: nn.Module) -> list[torch.Tensor]:
             for param in group.fsdp_params:
                 outputs.extend(param.all_gather_outputs)
     return outputs
+
+
+def collective_group(args: tuple[object, ...]) -> dist.ProcessGroup | None:
+    """The process group a c10d op's arguments name, or ``None``.
+
+    The eager c10d ops (what DDP's reducer and FSDP2 issue) carry the group as a boxed
+    TorchScript object, the functional ones by name.
+    """
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in str(arg._type()):
+            return dist.ProcessGroup.unbox(arg)
+    resolve: Any = getattr(dist.distributed_c10d, "_resolve_process_group", None)
+    for arg in args:
+        if isinstance(arg, str) and resolve is not None:
+            try:
+                group: dist.ProcessGroup = resolve(arg)
+            except (KeyError, RuntimeError, ValueError):
+                return None
+            return group
+    return None

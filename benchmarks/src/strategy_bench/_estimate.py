@@ -57,11 +57,14 @@ _CPU = torch.device("cpu")
 VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("ddp", {}),
     ("fsdp", {}),
+    ("hsdp", {}),
     ("fsdp", {"reshard_after_forward": False}),
     ("fsdp", {"param_dtype": "bf16", "reduce_dtype": "fp32"}),
 )
-"""The points estimated by default: each strategy at its defaults, then FSDP's two knobs
-that change memory and communication the most."""
+"""The points estimated by default: each strategy at its defaults (HSDP where the world spans
+more than one node), then FSDP's two knobs that change memory and communication the most."""
+
+DEFAULT_GPUS_PER_NODE = 8
 
 CHECKPOINTED: tuple[tuple[str, dict[str, Any]], ...] = (
     ("ddp", {"activation_checkpointing": True}),
@@ -77,10 +80,13 @@ class EstimateOptions:
     Attributes:
         batch_size: Samples per rank per micro-batch.
         dtype: ``"fp32"``, or ``"bf16"`` for bf16 autocast (fp32 master weights), as ``run``.
+        gpus_per_node: Ranks per node: a collective whose ranks share a node stays inside
+            it; HSDP shards within a node and replicates across the nodes.
     """
 
     batch_size: int = 8
     dtype: str = "fp32"
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +105,13 @@ def estimate_points(
     world_sizes: Sequence[int],
     *,
     activation_checkpointing: bool = False,
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
 ) -> list[EstimatePoint]:
-    """Every point of an estimate, world sizes innermost."""
+    """Every point of an estimate, world sizes innermost.
+
+    HSDP points only where the world spans whole nodes, more than one
+    (``world % gpus_per_node == 0`` and ``world > gpus_per_node``).
+    """
     variants = VARIANTS + (CHECKPOINTED if activation_checkpointing else ())
     return [
         EstimatePoint(index, strategy, dict(knobs), world)
@@ -108,6 +119,7 @@ def estimate_points(
         for strategy, knobs in variants
         if strategy in strategies
         for world in world_sizes
+        if strategy != "hsdp" or (world > gpus_per_node and world % gpus_per_node == 0)
     ]
 
 
@@ -152,8 +164,10 @@ def _step(workload: Workload, point: EstimatePoint, options: EstimateOptions) ->
         counts = parameter_counts(model)
         sizes = ModelSizes.of(model)  # before the wrap shards it
         prepare_blocks(model, point.knobs)
-        if point.strategy == "fsdp":
-            model = _wrappers.ours("fsdp", model, _CPU, point.knobs)
+        if point.strategy in _wrappers.SHARDED:
+            nodes = point.world_size // options.gpus_per_node
+            shape = (nodes, options.gpus_per_node) if point.strategy == "hsdp" else None
+            model = _wrappers.ours(point.strategy, model, _CPU, point.knobs, hsdp=shape)
         shards = local_bytes([*model.parameters(), *model.buffers()])
         twins = _LocalOptimizer(model.parameters())
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -295,8 +309,27 @@ def run_estimate(
     for point in points:
         row = dict(done[_step_key(point)])
         row["world_size"] = point.world_size
+        if row["status"] == OK:
+            row["comm_bytes_by_scope"] = _by_scope(row, point.world_size, options.gpus_per_node)
+            row.pop("comm_groups", None)  # every rank's number, at 512 ranks: not kept
         rows.append(row)
     return rows
+
+
+def _by_scope(row: Mapping[str, Any], world: int, gpus_per_node: int) -> dict[str, int]:
+    """The bytes this rank sends per step ``intra_node`` and ``inter_node``.
+
+    A collective stays inside a node when its group's ranks all share one (rank //
+    ``gpus_per_node``); DDP's all-reduce is over every rank.
+    """
+    groups = row.get("comm_groups")
+    if row["strategy"] == "ddp" or not groups:
+        groups = [{"ranks": list(range(world)), "bytes": _comm(row)}]
+    out = {"intra_node": 0, "inter_node": 0}
+    for group in groups:
+        nodes = {rank // gpus_per_node for rank in group["ranks"]}
+        out["intra_node" if len(nodes) <= 1 else "inter_node"] += int(group["bytes"])
+    return out
 
 
 def _step_key(point: EstimatePoint) -> tuple[Any, ...]:

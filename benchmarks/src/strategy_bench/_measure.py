@@ -93,7 +93,7 @@ def _build(point: _Point, out: dict[str, Any]) -> nn.Module:
     host (RSS growth) and device (allocator growth, CUDA) peaks are recorded.
     """
     workload, options, device = point.workload, point.options, point.device
-    sharded = point.strategy == "fsdp"
+    sharded = point.strategy in _wrappers.SHARDED
     build: dict[str, Any] = {
         "model_cls": workload.factory,
         "init_params": dict(workload.init_params),
@@ -122,12 +122,12 @@ def _build(point: _Point, out: dict[str, Any]) -> nn.Module:
 
 
 def _build_rank0(point: _Point, build: dict[str, Any]) -> nn.Module:
-    if point.strategy != "fsdp":
+    if point.strategy not in _wrappers.SHARDED:
         return build_replicated_model(**build, source="rank0")
     device = point.device
 
     def shard(model: nn.Module) -> nn.Module:
-        return _wrappers.ours("fsdp", model, device, point.knobs)
+        return _wrappers.ours(point.strategy, model, device, point.knobs)
 
     built = build_sharded_model(
         **{**build, "device": device},
@@ -281,7 +281,7 @@ def warm_up_process(device: torch.device) -> None:
     that walks only what the run created since costs a few ms instead of ~130 ms here.
     """
     probe = nn.Linear(8, 8).to(device)
-    for strategy in _wrappers.STRATEGIES:
+    for strategy in ("ddp", "fsdp"):  # HSDP's collectives are FSDP's, on subgroups
         wrapped = _wrappers.raw(strategy, copy.deepcopy(probe), device, {})
         wrapped(torch.ones(2, 8, device=device)).sum().backward()
     del wrapped, probe

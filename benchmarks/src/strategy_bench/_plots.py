@@ -391,8 +391,9 @@ def plot_estimate(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
             ax.set_xticks(xs, [str(row["world_size"]) for row in mine])
             for x, (total, row) in enumerate(zip(bottom, mine, strict=True)):
                 comm = sum((row.get("comm_bytes_per_step") or {}).values()) / scale
+                cross = (row.get("comm_bytes_by_scope") or {}).get("inter_node", 0) / scale
                 ax.annotate(
-                    f"{total:.1f}\ncomm {comm:.2f}",
+                    f"{total:.1f}\ncomm {comm:.2f}\nx-node {cross:.2f}",
                     (x, total),
                     ha="center",
                     va="bottom",
@@ -407,7 +408,8 @@ def plot_estimate(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
     fig.suptitle(
-        f"Estimated memory per rank by kind; comm = {unit} each rank sends per step",
+        f"Estimated memory per rank by kind; comm = {unit} each rank sends per step, x-node = "
+        "the part that crosses nodes",
         fontsize=10,
     )
     return _save(fig, path, rect=(0, 0.05, 1, 1))  # room for the legend below

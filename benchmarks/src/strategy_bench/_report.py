@@ -188,11 +188,37 @@ def verdict(ddp: Mapping[str, Any], fsdp: Mapping[str, Any]) -> str:
     return text + "."
 
 
+def hsdp_verdict(hsdp: Mapping[str, Any], others: Sequence[Mapping[str, Any]]) -> str:
+    """HSDP's line beside DDP and FSDP: throughput, bytes per mesh dimension, the fastest."""
+    model = hsdp["model"]
+    if hsdp.get("status", "ok") != "ok":
+        return f"- `{model}`: {describe_failure(hsdp)}."
+    ok = [row for row in (*others, hsdp) if row.get("status", "ok") == "ok"]
+    best = max(ok, key=lambda row: row["samples_per_s"])
+    ratios = ", ".join(
+        f"{hsdp['samples_per_s'] / row['samples_per_s']:.2f}x {row['strategy'].upper()}'s"
+        for row in ok
+        if row is not hsdp
+    )
+    by_dim = hsdp.get("comm_bytes_by_dim") or {}
+    moved = "; ".join(
+        f"{sum(kinds.values()) / _MIB:.2f} MiB per rank within its {dim} group"
+        for dim, kinds in sorted(by_dim.items(), reverse=True)
+    )
+    text = f"- `{model}`: HSDP ran at {ratios} throughput"
+    if moved:
+        text += f" ({moved})"
+    return text + f"; the fastest here is {best['strategy'].upper()}."
+
+
 def _verdicts(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     by = {(r["model"], r["strategy"]): r for r in rows if not r.get("knobs")}
     models = dict.fromkeys(r["model"] for r in rows)
-    return [
-        verdict(by[(model, "ddp")], by[(model, "fsdp")])
-        for model in models
-        if (model, "ddp") in by and (model, "fsdp") in by
-    ]
+    lines = []
+    for model in models:
+        pair = [by[(model, s)] for s in ("ddp", "fsdp") if (model, s) in by]
+        if len(pair) == 2:
+            lines.append(verdict(pair[0], pair[1]))
+        if (model, "hsdp") in by:
+            lines.append(hsdp_verdict(by[(model, "hsdp")], pair))
+    return lines

@@ -17,10 +17,11 @@ GRAD_ACCUM = 4
 """Micro-batches per optimizer step at the sweep's gradient-accumulation points."""
 
 
-def sweep_points(bf16: bool) -> list[tuple[str, dict[str, Any]]]:
+def sweep_points(bf16: bool, hsdp: bool = False) -> list[tuple[str, dict[str, Any]]]:
     """The sweep's points, most informative first.
 
-    First each strategy at its defaults (the DDP-vs-FSDP answer), then the knobs that move
+    First each strategy at its defaults (the DDP-vs-FSDP answer; HSDP too when ``hsdp``: a
+    world of at least 4 ranks), then the knobs that move
     step time or memory the most (FSDP resharding and mixed precision, DDP's bucket views),
     then DDP bucket sizes and static graph, then combinations. Each point changes the
     defaults one knob at a time, so every difference has one cause.
@@ -28,6 +29,7 @@ def sweep_points(bf16: bool) -> list[tuple[str, dict[str, Any]]]:
     points: list[tuple[str, dict[str, Any]]] = [
         ("ddp", {}),
         ("fsdp", {}),
+        *([("hsdp", {})] if hsdp else []),
         ("fsdp", {"reshard_after_forward": False}),
     ]
     if bf16:
@@ -55,7 +57,7 @@ def sweep_points(bf16: bool) -> list[tuple[str, dict[str, Any]]]:
 
 
 def sweep_configs(
-    workloads: int, bf16: bool, *, knobs: Sequence[str] | None = None
+    workloads: int, bf16: bool, *, knobs: Sequence[str] | None = None, hsdp: bool = False
 ) -> list[Config]:
     """Every point for every workload: the most informative points first, for each workload.
 
@@ -64,11 +66,12 @@ def sweep_configs(
         bf16: Whether the device computes in bfloat16 (the mixed-precision points).
         knobs: ``--knobs``: keep only the points that set one of these knobs, and each
             strategy at its defaults (the baseline they are judged against).
+        hsdp: Add HSDP at its defaults (the world has at least 4 ranks).
 
     Raises:
         BenchUsageError: If a name in ``knobs`` is not a knob of the sweep.
     """
-    points = sweep_points(bf16)
+    points = sweep_points(bf16, hsdp)
     if knobs is not None:
         known = sorted({name for _, point in points for name in point})
         unknown = [name for name in knobs if name not in known]

@@ -101,6 +101,7 @@ def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
         f"peak {unit}",
         *((f"fits (headroom {unit})",) if with_fits else ()),
         f"comm {unit}/step",
+        f"cross-node {unit}/step",
         "init host r0/others, device: local | rank0",
     )
     lines: list[tuple[str, ...]] = [header]
@@ -137,6 +138,7 @@ def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
                 size(row["peak_bytes"]) if row.get("peak_bytes") is not None else "-",
                 *fits(row),
                 " ".join(f"{kind} {size(value)}" for kind, value in comm.items()) or "-",
+                size((row.get("comm_bytes_by_scope") or {}).get("inter_node", 0)),
                 init(row) or "-",
             )
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -14,14 +15,49 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed_strategy import (
+    DistributedConfig,
+    hsdp_mesh,
     select_shard_targets,
     torch_dtype,
     wrap_module_ddp,
     wrap_module_fsdp,
 )
+from strategy_bench._errors import BenchUsageError
 from strategy_bench._knobs import wrap_knobs
 
-STRATEGIES = ("ddp", "fsdp")
+STRATEGIES = ("ddp", "fsdp", "hsdp")
+"""What ``--strategies`` takes: DDP, FSDP, and HSDP (FSDP over a 2-D mesh, see
+:func:`hsdp_shape`)."""
+
+SHARDED = ("fsdp", "hsdp")
+"""The strategies whose parameters are sharded (never whole on the device)."""
+
+HSDP_MIN_WORLD = 4
+"""HSDP points need at least 2 replicas of 2 shards."""
+
+
+def hsdp_shape(world: int) -> tuple[int, int]:
+    """The bench's HSDP mesh, ``(replicate, shard)``, for ``world`` ranks.
+
+    Under torchrun across nodes, the config's rule: shard within a node
+    (``LOCAL_WORLD_SIZE``), replicate across the nodes. On one host (spawned ranks, or
+    torchrun on one node) the ranks are split into 2 pretend nodes, so that HSDP differs from
+    FSDP: 4 ranks run as 2 x 2.
+
+    Raises:
+        BenchUsageError: Fewer than :data:`HSDP_MIN_WORLD` ranks, or an odd number on one
+            host.
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if 0 < local < world:
+        return DistributedConfig(strategy="hsdp").hsdp_mesh_shape(world, local)
+    if world < HSDP_MIN_WORLD or world % 2:
+        raise BenchUsageError(
+            f"HSDP needs at least {HSDP_MIN_WORLD} ranks, an even number on one host (2 x "
+            f"world/2), got a world of {world}; use --world-size 4, or leave hsdp out of "
+            "--strategies"
+        )
+    return 2, world // 2
 
 
 def ours(
@@ -30,10 +66,13 @@ def ours(
     device: torch.device,
     knobs: Mapping[str, Any],
     group: dist.ProcessGroup | None = None,
+    *,
+    hsdp: tuple[int, int] | None = None,
 ) -> nn.Module:
     """Wrap with our wrapper: ``wrap_module_ddp`` or ``wrap_module_fsdp``.
 
     ``knobs`` may hold the step's knobs too (``grad_accum``, ...); only the wrapper's are used.
+    ``hsdp`` is HSDP's mesh shape when not :func:`hsdp_shape`'s (the estimate's nodes).
     """
     knobs = wrap_knobs(knobs)
     if strategy == "ddp":
@@ -41,7 +80,8 @@ def ours(
         if group is not None:
             kwargs["process_group"] = group
         return wrap_module_ddp(module, device=device, **kwargs)
-    return wrap_module_fsdp(module, device=device, mesh=_mesh(device, group), **knobs)
+    mesh = _mesh(strategy, device, group, hsdp)
+    return wrap_module_fsdp(module, device=device, mesh=mesh, **knobs)
 
 
 def raw(
@@ -66,7 +106,7 @@ def raw(
         reduce_dtype=torch_dtype(knobs.get("reduce_dtype")),
     )
     reshard = bool(knobs.get("reshard_after_forward", True))
-    mesh = _mesh(device, group)
+    mesh = _mesh(strategy, device, group)
     for sub in select_shard_targets(module, None):
         fully_shard(sub, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
@@ -77,7 +117,28 @@ def _ddp_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
     return {"broadcast_buffers": False, **knobs}
 
 
-def _mesh(device: torch.device, group: dist.ProcessGroup | None) -> DeviceMesh:
+_HSDP_MESHES: dict[tuple[Any, str, tuple[int, int]], DeviceMesh] = {}
+
+
+def _mesh(
+    strategy: str,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    shape: tuple[int, int] | None = None,
+) -> DeviceMesh:
+    """FSDP's 1-D mesh over ``group`` (default: the world), or HSDP's 2-D one.
+
+    HSDP's mesh is built once per default group (its subgroups are kept), except for a cold
+    wrap (``group`` given), whose timing includes building a mesh of new subgroups.
+    """
+    if strategy == "hsdp":
+        shape = shape or hsdp_shape(dist.get_world_size())
+        if group is not None:
+            return hsdp_mesh(device, replicate=shape[0], shard=shape[1])
+        key = (dist.distributed_c10d._get_default_group(), device.type, shape)
+        if key not in _HSDP_MESHES:
+            _HSDP_MESHES[key] = hsdp_mesh(device, replicate=shape[0], shard=shape[1])
+        return _HSDP_MESHES[key]
     if group is None:
         return init_device_mesh(device.type, (dist.get_world_size(),))
     return DeviceMesh.from_group(group, device.type)

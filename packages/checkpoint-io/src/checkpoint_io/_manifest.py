@@ -25,7 +25,8 @@ class CheckpointInfo:
         step: The ``step`` given to ``save_checkpoint`` (``None`` if none was).
         extra: The ``extra`` mapping given to ``save_checkpoint``.
         world_size: Ranks that wrote the checkpoint.
-        strategy: ``"ddp"``, ``"fsdp"`` or ``"none"``: how the saved model was wrapped.
+        strategy: ``"ddp"``, ``"fsdp"``, ``"hsdp"`` or ``"none"``: how the saved model was
+            wrapped.
         torch_version: The torch that wrote it.
         fingerprint: ``replica_init.state_fingerprint`` of the full model state, for
             checkpoints of format 1, which gathered the model to compute it. ``None`` for

@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-Strategy = Literal["ddp", "fsdp", "none"]
+Strategy = Literal["ddp", "fsdp", "hsdp", "none"]
 
 
 def _is_compiled(module: nn.Module) -> bool:
@@ -74,8 +74,8 @@ def strategy_of(model: nn.Module) -> Strategy:
             under ``torch.compile``.
 
     Returns:
-        ``"ddp"``, ``"fsdp"`` (FSDP2 ``fully_shard`` anywhere in the model, or FSDP1), or
-        ``"none"``.
+        ``"ddp"``; ``"hsdp"`` (FSDP2 over a 2-D mesh: replicate, shard); ``"fsdp"`` (FSDP2
+        ``fully_shard`` anywhere in the model, or FSDP1); or ``"none"``.
     """
     model = unwrap_compiled(model)
     if isinstance(model, DistributedDataParallel):
@@ -83,6 +83,8 @@ def strategy_of(model: nn.Module) -> Strategy:
     fsdp1 = _fsdp1_class()
     if fsdp1 is not None and isinstance(model, fsdp1):
         return "fsdp"
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        return "fsdp"
-    return "none"
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        return "none"
+    meshes = (getattr(p, "device_mesh", None) for m in sharded for p in m.parameters())
+    return "hsdp" if any(mesh is not None and mesh.ndim == 2 for mesh in meshes) else "fsdp"

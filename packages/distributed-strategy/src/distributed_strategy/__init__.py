@@ -48,6 +48,7 @@ from dist_core import (
 from distributed_strategy._prepare import TrainablePolicy, prepare_model, resolve_config
 from fsdp_wrap import (
     ShardPolicy,
+    hsdp_mesh,
     mixed_precision_policy,
     select_shard_targets,
     torch_dtype,
@@ -134,6 +135,7 @@ __all__ = [
     "fork_rng",
     "fsdp_modules",
     "full_state_dict",
+    "hsdp_mesh",
     "is_ddp_strategy",
     "is_distributed",
     "latest_checkpoint",

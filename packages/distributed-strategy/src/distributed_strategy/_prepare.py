@@ -14,7 +14,7 @@ from torch import nn
 
 from ddp_wrap import wrap_module_ddp
 from dist_core import DeviceLike, MemoryPeak, log_rank0, require_process_group, resolve_device
-from fsdp_wrap import ShardPolicy, wrap_module_fsdp
+from fsdp_wrap import ShardPolicy, hsdp_mesh, wrap_module_fsdp
 from replica_init import (
     assert_replicas_identical,
     build_replicated_model,
@@ -77,7 +77,9 @@ def prepare_model(
 
     - DDP (the seed's path): a full replica on every device (``build_replicated_model``),
       proven identical across ranks, wrapped with ddp-wrap.
-    - FSDP: the whole model never reaches the device (``build_sharded_model``). Under
+    - FSDP and HSDP: the whole model never reaches the device (``build_sharded_model``);
+      HSDP shards over a 2-D mesh (``config.replicate`` x ``config.shard``, see
+      ``DistributedConfig.hsdp_mesh_shape``), each replica holding the same shards. Under
       ``source="local"`` every rank builds it on the CPU and fsdp-wrap moves it to the device
       unit by unit, keeping only this rank's shards; under ``"rank0"`` only rank 0 builds it
       (on the CPU), the others build on the meta device, and rank 0's tensors are streamed
@@ -135,12 +137,22 @@ def prepare_model(
         return model
 
     model_name = ""
+    mesh = None
+    shard_degree = None
+    if settings.strategy == "hsdp":
+        replicate, shard_degree = settings.hsdp_mesh_shape(dist.get_world_size())
+        mesh = hsdp_mesh(target, replicate=replicate, shard=shard_degree)
 
     def shard_it(model: nn.Module) -> nn.Module:
         nonlocal model_name
         model_name = type(model).__name__  # before FSDP2 swaps the class
         return wrap_module_fsdp(
-            model, device=target, shard=shard, forward_methods=names, **settings.fsdp_options()
+            model,
+            device=target,
+            shard=shard,
+            mesh=mesh,
+            forward_methods=names,
+            **settings.fsdp_options(),
         )
 
     fingerprint: str | None = None
@@ -177,6 +189,7 @@ def prepare_model(
             trainable=policy,
             verify=verify,
             stage=stages,
+            shard_degree=shard_degree,
         )
         wrapped, fingerprint = built.module, built.fingerprint
     log_rank0(

@@ -17,6 +17,8 @@ from dist_core import (
     check_wrap_preconditions,
     log_rank0,
     require_current_device,
+    require_process_group,
+    resolve_device,
 )
 from fsdp_wrap._policy import ShardPolicy, describe_units, select_with_rule
 from fsdp_wrap._precision import mixed_precision_policy
@@ -68,8 +70,9 @@ def wrap_module_fsdp(
         param_dtype: Mixed precision compute dtype: ``"bf16"``, ``"fp16"``, ``"fp32"`` (or a
             torch dtype); ``None`` keeps the parameters' dtype.
         reduce_dtype: Dtype of the gradient reduce-scatter; ``None`` uses ``param_dtype``.
-        mesh: A 1-D ``DeviceMesh`` to shard over; ``None`` builds one over the default group
-            on ``device``'s type.
+        mesh: A 1-D ``DeviceMesh`` to shard over, or a 2-D one for HSDP (replicate, shard:
+            see :func:`hsdp_mesh`); ``None`` builds a 1-D one over the default group on
+            ``device``'s type.
         forward_methods: Methods of ``module`` other than ``forward`` that the trainer calls
             directly (e.g. ``"ode_wrapper"``). FSDP2 runs its root hooks only around
             ``forward``; these are registered with ``register_fsdp_forward_method`` so
@@ -116,11 +119,11 @@ def wrap_module_fsdp(
     log_rank0(
         logger,
         logging.INFO,
-        "sharded %s with FSDP2 on %s x %d rank(s): %d unit(s) (%s; %s) plus the root, "
+        "sharded %s with %s on %s: %d unit(s) (%s; %s) plus the root, "
         "reshard_after_forward=%s, param_dtype=%s, reduce_dtype=%s, forward methods %s",
         model_name,
-        target.type,
-        dist.get_world_size(),
+        "HSDP (FSDP2)" if mesh.ndim == 2 else "FSDP2",
+        _mesh_text(mesh, target),
         len(targets),
         units,
         rule,
@@ -132,12 +135,56 @@ def wrap_module_fsdp(
     return module
 
 
+def hsdp_mesh(device: DeviceLike, *, replicate: int, shard: int) -> DeviceMesh:
+    """HSDP's 2-D mesh over the default group: ``replicate`` groups of ``shard`` ranks.
+
+    Ranks ``0..shard-1`` form the first shard group (one node under torchrun's rank order),
+    and so on; a parameter is sharded within its group and replicated across the groups
+    (``fully_shard`` reads a 2-D mesh as replicate, then shard).
+
+    Args:
+        device: This rank's device; the mesh is built on its type.
+        replicate: The number of replicas.
+        shard: The ranks each replica is sharded over.
+
+    Returns:
+        A ``DeviceMesh`` of shape ``(replicate, shard)`` named ``("replicate", "shard")``.
+
+    Raises:
+        RuntimeError: If the default process group is not initialized.
+        ValueError: If ``replicate * shard`` is not the world size.
+    """
+    target = resolve_device(device)
+    require_process_group("hsdp_mesh", instead="before building the mesh")
+    world = dist.get_world_size()
+    if replicate < 1 or shard < 1 or replicate * shard != world:
+        raise ValueError(
+            f"hsdp_mesh: replicate * shard must equal the world size {world}, got {replicate} "
+            f"* {shard}; e.g. replicate={max(1, world // 2)}, shard={min(2, world)}"
+        )
+    return init_device_mesh(target.type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def _mesh_text(mesh: DeviceMesh, target: torch.device) -> str:
+    """``cpu x 4 rank(s)``, or for HSDP ``cpu, mesh 2 (replicate) x 2 (shard)``."""
+    if mesh.ndim == 1:
+        return f"{target.type} x {mesh.size()} rank(s)"
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    sizes = " x ".join(f"{size} ({name})" for size, name in zip(mesh.shape, names, strict=True))
+    return f"{target.type}, mesh {sizes}"
+
+
 def _resolve_mesh(mesh: DeviceMesh | None, target: torch.device) -> DeviceMesh:
     require_current_device(target, caller="wrap_module_fsdp")
     if mesh is None:
         return init_device_mesh(target.type, (dist.get_world_size(),))
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got shape "
+            f"{tuple(mesh.shape)}"
+        )
     if mesh.device_type != target.type:
         raise ValueError(
             f"mesh is on device type {mesh.device_type!r} but device={str(target)!r}; build the "

@@ -36,8 +36,10 @@ def no_sync(model: nn.Module) -> Iterator[None]:
       under ``torch.compile``): ``model.no_sync()``. It proves it took effect: a backward
       inside the block whose forward ran outside it (DDP then reduces anyway: the classic
       accumulation bug) raises ``RuntimeError`` when the block exits.
-    * FSDP2 (``fully_shard``): ``set_requires_gradient_sync(False)`` on every FSDP module of
-      the model; each module's previous setting comes back on exit, also on an exception.
+    * FSDP2 (``fully_shard``) and HSDP (its 2-D mesh): ``set_requires_gradient_sync(False)``
+      on every FSDP module of the model (no reduce-scatter within the shard group, no
+      all-reduce across the replicas); each module's previous setting comes back on exit,
+      also on an exception.
     * A plain module, or no process group: nothing to do.
 
     DDP with ``static_graph=True`` records its graph in its first iteration, which must
@@ -56,7 +58,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
             forward that ran outside it.
     """
     strategy = strategy_of(model)
-    sharded = fsdp_modules(model) if strategy == "fsdp" else []
+    sharded = fsdp_modules(model) if strategy in ("fsdp", "hsdp") else []
     if strategy == "ddp":
         outer = unwrap_compiled(model)
         assert isinstance(outer, DistributedDataParallel)

@@ -64,6 +64,7 @@ def build_sharded_model(
     trainable: Callable[[nn.Module], nn.Module] | None = None,
     verify: bool = True,
     stage: StageContext | None = None,
+    shard_degree: int | None = None,
 ) -> ShardedModel:
     """Build the model sharded across the default group's ranks, bit-identical to the seed's.
 
@@ -114,6 +115,10 @@ def build_sharded_model(
         verify: Check every rank's shards against a second rank's copy (see above).
         stage: A context factory wrapped around each stage (``build``, ``trainable``,
             ``verify``, ``wrap``, ``load``; ``verify`` may be entered twice).
+        shard_degree: The ranks each parameter is sharded over: ``None`` for all of them
+            (FSDP); HSDP's ``shard`` for a 2-D mesh, where ``shard`` leaves each parameter a
+            ``DTensor`` replicated over the first mesh dimension and dim-0 sharded over the
+            second, the ranks of one replica consecutive.
 
     Returns:
         A :class:`ShardedModel`: the sharded module and the verified fingerprint.
@@ -166,7 +171,8 @@ def build_sharded_model(
             # rank0: rank 0 referees the others (its own shards are cut from its own model).
             referees = range(1, world) if source == "rank0" else [(rank + 1) % world]
             if source == "local" or rank == 0:
-                references = reference_digests(model, referees, world)
+                degree = world if shard_degree is None else shard_degree
+                references = reference_digests(model, referees, degree)
     with around("wrap"):
         sharded = shard(model)
         check_is_module(shard, sharded)

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from replica_init._fingerprint import combine, digest_entry, named_state_tensors
 from replica_init._verify import ReplicaMismatchError
@@ -15,15 +15,19 @@ from replica_init._verify import ReplicaMismatchError
 Digests = list[tuple[str, str]]
 
 
-def reference_digests(model: nn.Module, slices: Iterable[int], world: int) -> dict[int, Digests]:
+def reference_digests(
+    model: nn.Module, slices: Iterable[int], shard_degree: int
+) -> dict[int, Digests]:
     """Digests of the parts that ranks ``slices`` will hold, from this rank's whole model.
 
-    A parameter's part for rank ``s`` is its ``s``-th dim-0 chunk (``torch.chunk`` into
-    ``world`` pieces, empty past the last chunk: FSDP2's layout); a buffer is held whole.
+    A parameter's part for rank ``r`` is its ``(r % shard_degree)``-th dim-0 chunk
+    (``torch.chunk`` into ``shard_degree`` pieces, empty past the last chunk: FSDP2's layout;
+    under HSDP the ranks of one replica are consecutive and each replica holds the same
+    chunks); a buffer is held whole.
     """
     return {
         index: [
-            digest_entry(name, _slice(name, tensor, index, world))
+            digest_entry(name, _slice(name, tensor, index % shard_degree, shard_degree))
             for name, tensor in named_state_tensors(model)
         ]
         for index in slices
@@ -84,15 +88,15 @@ def _local_part(name: str, tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, DTensor):
         return tensor
     world = dist.get_world_size()
-    if (
-        tensor.device_mesh.ndim != 1
-        or tensor.placements != (Shard(0),)
-        or (tensor.device_mesh.size() != world)
-    ):
+    mesh = tensor.device_mesh
+    fsdp = mesh.ndim == 1 and tensor.placements == (Shard(0),)
+    hsdp = mesh.ndim == 2 and tensor.placements == (Replicate(), Shard(0))
+    if not (fsdp or hsdp) or mesh.size() != world:
         raise ValueError(
             f"cannot verify {name}: it is sharded as {tensor.placements} over a mesh of shape "
-            f"{tuple(tensor.device_mesh.shape)}, and verification knows dim-0 shards over all "
-            f"{world} ranks (fully_shard's default); pass verify=False"
+            f"{tuple(mesh.shape)}, and verification knows dim-0 shards over all {world} ranks "
+            "(fully_shard's default) or over the shard dimension of an HSDP mesh; pass "
+            "verify=False"
         )
     return tensor.to_local()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -61,10 +62,13 @@ class DistributedConfig:
     """The validated ``training.distributed`` section.
 
     Every field is checked on construction; string fields are normalised (``strategy`` to
-    ``"ddp"``/``"fsdp"``, dtypes to ``"bf16"``/``"fp16"``/``"fp32"``).
+    ``"ddp"``/``"fsdp"``/``"hsdp"``, dtypes to ``"bf16"``/``"fp16"``/``"fp32"``). HSDP's
+    degrees are checked against the world size when the mesh is built
+    (:meth:`hsdp_mesh_shape`).
 
     Attributes:
-        strategy: ``"ddp"`` or ``"fsdp"`` (the default).
+        strategy: ``"ddp"``, ``"fsdp"`` (the default) or ``"hsdp"`` (FSDP sharded within a
+            group of ``shard`` ranks, replicated across ``replicate`` such groups).
         source: How replicas are built: ``"local"`` (every rank constructs) or ``"rank0"``
             (rank 0 constructs, the others receive a broadcast).
         broadcast_buffers: DDP: sync buffers from rank 0 at init and before each forward.
@@ -75,6 +79,10 @@ class DistributedConfig:
         reshard_after_forward: FSDP: free the unsharded parameters after forward.
         param_dtype: FSDP mixed precision: dtype of the unsharded parameters in compute.
         reduce_dtype: FSDP mixed precision: dtype of the gradient reduction.
+        replicate: HSDP: the number of replicas (the mesh's first dimension); ``None``: the
+            world size divided by ``shard``.
+        shard: HSDP: the ranks each replica is sharded over (the mesh's second dimension,
+            inside a node); ``None``: the ranks per node (``LOCAL_WORLD_SIZE``).
     """
 
     strategy: str = "fsdp"
@@ -87,6 +95,8 @@ class DistributedConfig:
     reshard_after_forward: bool = True
     param_dtype: str | None = None
     reduce_dtype: str | None = None
+    replicate: int | None = None
+    shard: int | None = None
 
     _BOOL_FIELDS: ClassVar[tuple[str, ...]] = (
         "broadcast_buffers",
@@ -107,6 +117,8 @@ class DistributedConfig:
         set_(self, "bucket_cap_mb", _check_bucket_cap(self.bucket_cap_mb))
         for name in ("param_dtype", "reduce_dtype"):
             set_(self, name, normalize_dtype_name(getattr(self, name), path=_path(name)))
+        for name in ("replicate", "shard"):
+            _check_degree(name, getattr(self, name), self.strategy)
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> DistributedConfig:
@@ -158,6 +170,48 @@ class DistributedConfig:
         if self.bucket_cap_mb is not None:
             options["bucket_cap_mb"] = self.bucket_cap_mb
         return options
+
+    def hsdp_mesh_shape(
+        self, world_size: int, local_world_size: int | None = None
+    ) -> tuple[int, int]:
+        """HSDP's mesh, ``(replicate, shard)``, for ``world_size`` ranks.
+
+        Args:
+            world_size: The number of ranks.
+            local_world_size: The ranks per node; ``None`` reads ``LOCAL_WORLD_SIZE`` (set by
+                torchrun), else takes ``world_size`` (one node).
+
+        Returns:
+            ``(replicate, shard)`` with ``replicate * shard == world_size``.
+
+        Raises:
+            ValueError: If the strategy is not HSDP, or the degrees do not fit the world:
+                their product is not the world size, or ``shard`` does not divide the ranks
+                per node (a shard group would span nodes). The message names the keys.
+        """
+        if self.strategy != "hsdp":
+            raise ValueError(
+                f"{_path('strategy')} is {self.strategy!r}: only HSDP has a 2-D mesh; set "
+                "strategy: hsdp"
+            )
+        local = local_world_size if local_world_size is not None else _local_world(world_size)
+        shard = self.shard if self.shard is not None else local
+        if self.replicate is not None and self.shard is None and world_size % self.replicate == 0:
+            shard = world_size // self.replicate
+        replicate = self.replicate if self.replicate is not None else max(1, world_size // shard)
+        if replicate * shard != world_size:
+            raise ValueError(
+                f"{_path('replicate')} * {_path('shard')} must equal the world size "
+                f"{world_size}, got {replicate} * {shard} = {replicate * shard}; e.g. "
+                f"replicate: {max(1, world_size // local)}, shard: {min(local, world_size)}"
+            )
+        if local % shard != 0:
+            raise ValueError(
+                f"{_path('shard')}={shard} must divide the ranks per node "
+                f"(LOCAL_WORLD_SIZE={local}), so that each shard group stays inside a node; "
+                f"use a divisor of {local}"
+            )
+        return replicate, shard
 
     def fsdp_options(self) -> dict[str, Any]:
         """Keyword arguments for an FSDP wrapper: resharding and mixed-precision dtype names."""
@@ -225,6 +279,33 @@ def _check_source(value: object) -> str:
             f"{did_you_mean(normalized, BUILD_SOURCES)}"
         )
     return normalized
+
+
+def _local_world(world_size: int) -> int:
+    text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if not text:
+        return world_size
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(
+            f"LOCAL_WORLD_SIZE must be an integer (the ranks per node), got {text!r}"
+        ) from None
+    return value if value > 0 else world_size
+
+
+def _check_degree(name: str, value: object, strategy: str) -> None:
+    if value is None:
+        return
+    if strategy != "hsdp":
+        raise ValueError(
+            f"{_path(name)} is an HSDP degree, but {_path('strategy')} is {strategy!r}; set "
+            f"strategy: hsdp, or remove {name}"
+        )
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(_type_message(name, "int (a number of ranks)", value))
+    if value < 1:
+        raise ValueError(f"{_path(name)} must be >= 1 (a number of ranks), got {value}")
 
 
 def _check_bucket_cap(value: object) -> float | None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from strategy_config._hints import did_you_mean
 
-SUPPORTED_DISTRIBUTED_STRATEGIES: frozenset[str] = frozenset({"ddp", "fsdp"})
+SUPPORTED_DISTRIBUTED_STRATEGIES: frozenset[str] = frozenset({"ddp", "fsdp", "hsdp"})
 DEFAULT_DISTRIBUTED_STRATEGY: str = "fsdp"
 
 _STRATEGY_PATH = "training.distributed.strategy"
@@ -21,12 +21,13 @@ def normalize_distributed_strategy(value: str | None) -> str:
             (``"fsdp"``); other strings are stripped and lower-cased.
 
     Returns:
-        ``"ddp"`` or ``"fsdp"``.
+        ``"ddp"``, ``"fsdp"`` or ``"hsdp"``.
 
     Raises:
         TypeError: If ``value`` is neither a string nor ``None``.
         ValueError: If the normalised value is not a supported strategy. The message starts
-            with ``training.distributed.strategy must be one of {ddp, fsdp}, got '<value>'``
+            with ``training.distributed.strategy must be one of {ddp, fsdp, hsdp}, got
+            '<value>'``
             and ends with a "did you mean" hint when a supported name is close.
     """
     if value is None:
