@@ -2,7 +2,7 @@
 
 Run by ``benchmarks/device_check.sh`` (one process, one rank: NCCL on a GPU, gloo on CPU).
 The bound is the estimate's own init peak for this source (this rank's shards plus one stream
-bucket or the largest tensor in transit, ``strategy_bench._init_peak``) plus 10%: the full
+bucket or the largest tensor in transit, ``strategy_bench.estimate._init_peak``) plus 10%: the full
 replica that the path before it built first would add the whole model again. On CUDA the
 figure is the allocator's peak during ``prepare_model``; on CPU the resident set's growth
 (plus 96 MiB of slack for the process's own allocations).
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed_strategy import MemoryPeak, prepare_model
-from strategy_bench._init_peak import ModelSizes, init_peaks
+from strategy_bench.estimate import ModelSizes, init_peaks
 
 
 class Wide(nn.Module):

@@ -10,10 +10,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from strategy_bench import _measure
-from strategy_bench._plan import RunOptions
-from strategy_bench._presets import BenchTransformer
-from strategy_bench._workload import preset_workload
+from strategy_bench.measure import RunOptions
+from strategy_bench.measure import _point as _measure
+from strategy_bench.workload import BenchTransformer, preset_workload
 
 
 def cold_wrap_groups(rank: int, world_size: int) -> dict[str, Any]:
@@ -75,7 +74,7 @@ def checkpoint_cost_cases(rank: int, world_size: int) -> dict[str, Any]:
     import os
     from pathlib import Path
 
-    from strategy_bench import _ckpt
+    from strategy_bench.measure import _ckpt
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(model.parameters())

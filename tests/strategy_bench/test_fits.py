@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from strategy_bench import main
-from strategy_bench._fits import DEVICE_RESERVE_BYTES
+from strategy_bench.estimate import DEVICE_RESERVE_BYTES
 
 TINY = ["estimate", "--models", "tiny", "--batch-size", "1", "--jobs", "1"]
 

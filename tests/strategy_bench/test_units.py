@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from dist_harness import run_ranks
-from strategy_bench._measure import COLD_SAMPLES, _alternating
-from strategy_bench._sweep import budgeted, recommend
+from strategy_bench.measure._point import COLD_SAMPLES, _alternating
+from strategy_bench.report import budgeted, recommend
 
 
 def test_cold_and_warm_wraps_alternate_which_goes_first() -> None:
@@ -56,7 +56,7 @@ def test_timeout_under_torchrun_ends_the_rank() -> None:
         """
         import os, time
         os.environ["RANK"] = "3"
-        from strategy_bench._launch import _exit_after
+        from strategy_bench.launch._launch import _exit_after
         _exit_after(0.2)
         time.sleep(30)
         """
@@ -84,8 +84,8 @@ def test_counted_flops_agree_with_the_preset_formula() -> None:
     import torch
 
     from strategy_bench import PRESETS, BenchTransformer
-    from strategy_bench._flops import count_step_flops
-    from strategy_bench._presets import next_token_loss, synthetic_tokens
+    from strategy_bench.measure import count_step_flops
+    from strategy_bench.workload import next_token_loss, synthetic_tokens
 
     preset = PRESETS["small"]
     model = BenchTransformer(**preset.init_params())
@@ -100,7 +100,7 @@ def test_counted_flops_agree_with_the_preset_formula() -> None:
 
 
 def test_peak_flops_sources() -> None:
-    from strategy_bench._flops import datasheet_peak, peak_flops
+    from strategy_bench.measure import datasheet_peak, peak_flops
 
     assert datasheet_peak("NVIDIA H100 80GB HBM3", "bf16") == (
         989.4e12,
@@ -128,7 +128,7 @@ def _tiny_model() -> Any:
 
 
 def _grads(model: Any, tokens: Any) -> list[Any]:
-    from strategy_bench._presets import next_token_loss
+    from strategy_bench.workload import next_token_loss
 
     model.zero_grad(set_to_none=True)
     next_token_loss(model, tokens).backward()
@@ -142,8 +142,8 @@ def test_block_knobs_change_how_the_step_runs_not_what_it_computes() -> None:
 
     import torch
 
-    from strategy_bench._accounting import saved_activation_bytes
-    from strategy_bench._knobs import prepare_blocks
+    from strategy_bench.measure import saved_activation_bytes
+    from strategy_bench.workload import prepare_blocks
 
     tokens = torch.randint(0, 512, (2, 17))
     plain = _tiny_model()
@@ -178,7 +178,7 @@ def test_block_knobs_need_blocks() -> None:
     from torch import nn
 
     from strategy_bench._errors import BenchUsageError
-    from strategy_bench._knobs import micro_steps, prepare_blocks
+    from strategy_bench.workload import micro_steps, prepare_blocks
 
     with pytest.raises(BenchUsageError, match="Linear has no repeated blocks"):
         prepare_blocks(nn.Linear(2, 2), {"activation_checkpointing": True})
@@ -187,7 +187,7 @@ def test_block_knobs_need_blocks() -> None:
 
 
 def test_agreement_flags_each_kind_beyond_its_tolerance() -> None:
-    from strategy_bench._estimate import agreement
+    from strategy_bench.estimate import agreement
 
     measured = {
         "model": "m",
@@ -218,7 +218,7 @@ def test_agreement_flags_each_kind_beyond_its_tolerance() -> None:
 def test_one_rank_runs_name_no_communication_winner(tmp_path: Any) -> None:
     """At world size 1 nothing is communicated: the verdict says what the ratio is and names
     no winner; report.md says what is compared."""
-    from strategy_bench._report import ONE_RANK_NOTE, verdict, write_report
+    from strategy_bench.report import ONE_RANK_NOTE, verdict, write_report
 
     def row(strategy: str, samples: float) -> dict[str, Any]:
         return {

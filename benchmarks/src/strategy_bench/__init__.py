@@ -6,10 +6,11 @@ below let a script drive the same measurements.
 
 from __future__ import annotations
 
-from strategy_bench._cli import main
-from strategy_bench._presets import PRESETS, BenchTransformer, Preset
-from strategy_bench._results import SCHEMA, read_results
-from strategy_bench._sweep import recommend, sweep_points
+from strategy_bench.cli import main
+from strategy_bench.plan import sweep_points
+from strategy_bench.report import recommend
+from strategy_bench.results import SCHEMA, read_results
+from strategy_bench.workload import PRESETS, BenchTransformer, Preset
 
 __all__ = [
     "PRESETS",

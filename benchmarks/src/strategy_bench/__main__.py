@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from strategy_bench._cli import main
+from strategy_bench.cli import main
 
 raise SystemExit(main())

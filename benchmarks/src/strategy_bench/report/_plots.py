@@ -11,9 +11,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # the backend is chosen first
 
-from strategy_bench._kept import knob_text, ok_rows
-from strategy_bench._knobs import step_knobs
-from strategy_bench._results import MEMORY_KINDS, byte_unit
+from strategy_bench.results import MEMORY_KINDS, byte_unit, knob_text, ok_rows
+from strategy_bench.workload import step_knobs
 
 _COLOURS = (
     "#4C72B0",

@@ -13,13 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from strategy_bench._budget import TimeBudget
-from strategy_bench._flops import measure_matmul_flops
-from strategy_bench._kept import knob_text
-from strategy_bench._knobs import compile_unavailable, micro_steps, needs_compiler
-from strategy_bench._measure import measure, warm_up_process
-from strategy_bench._plan import Plan
-from strategy_bench._results import environment, merge_ranks, write_results
+from strategy_bench.launch._budget import TimeBudget
+from strategy_bench.measure import measure, measure_matmul_flops, warm_up_process
+from strategy_bench.plan import Plan
+from strategy_bench.results import environment, knob_text, merge_ranks, write_results
+from strategy_bench.workload import compile_unavailable, micro_steps, needs_compiler
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ DATASHEET_MEMORY_GIB: dict[str, float] = {
     "L4": 24.0,
 }
 """Memory per GPU from the vendors' datasheets (what ``--gpu NAME`` reads), beside the FLOPs
-table (:data:`strategy_bench._flops.DATASHEET_TFLOPS`). The datasheets' "GB" is taken as GiB:
-an H100's 80 GB is 79.6 GiB as CUDA reports it, an H200's 141 GB 140.4 GiB; the reserve
+table (``strategy_bench.measure._flops.DATASHEET_TFLOPS``). The datasheets' "GB" is taken as
+GiB: an H100's 80 GB is 79.6 GiB as CUDA reports it, an H200's 141 GB 140.4 GiB; the reserve
 below covers the difference."""
 
 DEVICE_RESERVE_BYTES = 2 * 2**30

@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from strategy_bench._errors import BenchUsageError
-from strategy_bench._presets import PRESETS, BenchTransformer, next_token_loss, synthetic_tokens
+from strategy_bench.workload._presets import (
+    PRESETS,
+    BenchTransformer,
+    next_token_loss,
+    synthetic_tokens,
+)
 
 BatchFactory = Callable[[int, torch.device, torch.Generator], Any]
 

@@ -19,13 +19,20 @@ from typing import Any
 
 import torch
 
-from strategy_bench._budget import TimeBudget
-from strategy_bench._kept import FAILED, describe_failure, describe_skipped, failure_row
-from strategy_bench._knobs import needs_compiler
-from strategy_bench._memory import memory_reached
-from strategy_bench._plan import Plan
-from strategy_bench._results import environment, read_results, write_results
-from strategy_bench._worker import configure_logging, run_rank
+from strategy_bench.launch._budget import TimeBudget
+from strategy_bench.launch._worker import configure_logging, run_rank
+from strategy_bench.measure import memory_reached
+from strategy_bench.plan import Plan
+from strategy_bench.results import (
+    FAILED,
+    describe_failure,
+    describe_skipped,
+    environment,
+    failure_row,
+    read_results,
+    write_results,
+)
+from strategy_bench.workload import needs_compiler
 
 logger = logging.getLogger(__name__)
 

@@ -1,63 +1,12 @@
-"""What a run measures, as plain picklable values (it travels to spawned ranks)."""
+"""The points of a run, as plain picklable values (they travel to spawned ranks)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from strategy_bench._workload import Workload, preset_workload, user_workload
-
-
-@dataclasses.dataclass(frozen=True)
-class RunOptions:
-    """How each configuration is measured.
-
-    Attributes:
-        steps: Timed training steps.
-        warmup: Untimed steps before them.
-        batch_size: Samples per rank per step.
-        dtype: ``"fp32"``, or ``"bf16"`` for bf16 autocast (fp32 master weights).
-        seed: Construction seed; each rank's data stream is derived from it.
-        wrap_repeats: Warm wraps timed per wrapper (the median is reported).
-    """
-
-    steps: int = 20
-    warmup: int = 5
-    batch_size: int = 8
-    dtype: str = "fp32"
-    seed: int = 0
-    wrap_repeats: int = 5
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkloadSpec:
-    """A preset name, or the user's factories as ``package.module:callable`` strings."""
-
-    preset: str | None = None
-    seq_len: int | None = None
-    model_factory: str | None = None
-    init_params: str | None = None
-    input_factory: str | None = None
-    trainable: str | None = None
-    scale: tuple[str, int] | None = None
-
-    def build(self) -> Workload:
-        """The workload this spec names, with ``scale``'s init parameter set if given."""
-        if self.preset is not None:
-            workload = preset_workload(self.preset, seq_len=self.seq_len)
-        else:
-            assert self.model_factory is not None and self.input_factory is not None
-            workload = user_workload(
-                self.model_factory, self.init_params, self.input_factory, self.trainable
-            )
-        if self.scale is None:
-            return workload
-        name, value = self.scale
-        return dataclasses.replace(
-            workload,
-            init_params={**workload.init_params, name: value},
-            flops_per_sample=None,  # the preset's formula is for its own size
-        )
+from strategy_bench.measure import RunOptions
+from strategy_bench.workload import WorkloadSpec
 
 
 @dataclasses.dataclass(frozen=True)

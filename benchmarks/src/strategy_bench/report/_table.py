@@ -5,9 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from strategy_bench._kept import OK, OOM, knob_text, ok_rows
-from strategy_bench._results import byte_unit
-from strategy_bench._sweep import budgeted
+from strategy_bench.report._recommend import budgeted
+from strategy_bench.results import OK, OOM, byte_unit, knob_text, ok_rows
 
 
 def summary_table(rows: Sequence[Mapping[str, Any]]) -> str:

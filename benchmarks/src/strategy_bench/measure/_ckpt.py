@@ -19,9 +19,9 @@ from distributed_strategy import (
     load_checkpoint,
     save_checkpoint,
 )
-from strategy_bench._accounting import local_bytes
 from strategy_bench._errors import error_summary
-from strategy_bench._timing import timed_ms
+from strategy_bench.measure._accounting import local_bytes
+from strategy_bench.measure._timing import timed_ms
 
 
 def checkpoint_cost(

@@ -21,16 +21,15 @@ from distributed_strategy import (
     build_sharded_model,
     derive_seed,
 )
-from strategy_bench import _wrappers
-from strategy_bench._accounting import account, accumulate, autocast, parameter_counts
-from strategy_bench._ckpt import checkpoint_cost
 from strategy_bench._compat import FakeTensorMode
-from strategy_bench._flops import count_step_flops
-from strategy_bench._knobs import micro_steps, prepare_blocks
-from strategy_bench._memory import PeakMemory
-from strategy_bench._plan import RunOptions
-from strategy_bench._timing import time_steps, timed_ms
-from strategy_bench._workload import Workload, training_optimizer
+from strategy_bench.measure import _wrappers
+from strategy_bench.measure._accounting import account, accumulate, autocast, parameter_counts
+from strategy_bench.measure._ckpt import checkpoint_cost
+from strategy_bench.measure._flops import count_step_flops
+from strategy_bench.measure._memory import PeakMemory
+from strategy_bench.measure._options import RunOptions
+from strategy_bench.measure._timing import time_steps, timed_ms
+from strategy_bench.workload import Workload, micro_steps, prepare_blocks, training_optimizer
 
 logger = logging.getLogger(__name__)
 

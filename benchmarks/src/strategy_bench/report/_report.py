@@ -6,8 +6,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from strategy_bench._kept import OOM, describe_failure, describe_skipped, knob_text, ok_rows
-from strategy_bench._results import MEMORY_KINDS
+from strategy_bench.results import (
+    MEMORY_KINDS,
+    OOM,
+    describe_failure,
+    describe_skipped,
+    knob_text,
+    ok_rows,
+)
 
 _MIB = 2**20
 

@@ -20,10 +20,10 @@ from multiprocessing import get_context
 from typing import Any
 
 from strategy_bench._errors import BenchUsageError
-from strategy_bench._estimate import EstimateOptions, EstimatePoint, estimate_point
-from strategy_bench._fits import DeviceMemory
-from strategy_bench._kept import OK
-from strategy_bench._plan import WorkloadSpec
+from strategy_bench.estimate._estimate import EstimateOptions, EstimatePoint, estimate_point
+from strategy_bench.estimate._fits import DeviceMemory
+from strategy_bench.results import OK
+from strategy_bench.workload import WorkloadSpec
 
 logger = logging.getLogger(__name__)
 

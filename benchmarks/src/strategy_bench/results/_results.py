@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from strategy_bench._flops import peak_flops
-from strategy_bench._kept import OK, ok_rows
-from strategy_bench._timing import summarize
+from strategy_bench.measure import peak_flops, summarize
+from strategy_bench.results._rows import OK, ok_rows
 
 SCHEMA = 2
 """Written now; :func:`read_results` also reads schema 1 (rows without ``status``)."""

@@ -23,7 +23,7 @@ from distributed_strategy import (
     wrap_module_fsdp,
 )
 from strategy_bench._errors import BenchUsageError
-from strategy_bench._knobs import wrap_knobs
+from strategy_bench.workload import wrap_knobs
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")
 """What ``--strategies`` takes: DDP, FSDP, and HSDP (FSDP over a 2-D mesh, see

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from distributed_strategy import no_sync
 from strategy_bench._compat import collective_group, fsdp_gather_outputs, storage_key
-from strategy_bench._tracker import LiveTensors
+from strategy_bench.measure._tracker import LiveTensors
 
 # c10d ops (what DDP's reducer and FSDP2 call) by the collective they are, and which
 # argument holds the data that the collective moves per rank: an all-gather's output, a

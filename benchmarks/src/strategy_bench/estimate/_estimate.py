@@ -28,22 +28,25 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from distributed_strategy import materialize
-from strategy_bench import _wrappers
-from strategy_bench._accounting import (
+from strategy_bench._compat import FakeTensorMode, fake_process_group, unset_fake_temporarily
+from strategy_bench._errors import BenchUsageError, error_summary
+from strategy_bench.estimate._init_peak import ModelSizes, init_peaks
+from strategy_bench.measure import (
+    _wrappers,
     account,
     autocast,
     ddp_bucket_bytes,
     local_bytes,
     parameter_counts,
 )
-from strategy_bench._compat import FakeTensorMode, fake_process_group, unset_fake_temporarily
-from strategy_bench._errors import BenchUsageError, error_summary
-from strategy_bench._init_peak import ModelSizes, init_peaks
-from strategy_bench._kept import FAILED, OK, ok_rows
-from strategy_bench._knobs import micro_steps, prepare_blocks
-from strategy_bench._plan import WorkloadSpec
-from strategy_bench._results import MEMORY_KINDS, host_environment
-from strategy_bench._workload import Workload, training_optimizer
+from strategy_bench.results import FAILED, MEMORY_KINDS, OK, host_environment, ok_rows
+from strategy_bench.workload import (
+    Workload,
+    WorkloadSpec,
+    micro_steps,
+    prepare_blocks,
+    training_optimizer,
+)
 
 logger = logging.getLogger(__name__)
 

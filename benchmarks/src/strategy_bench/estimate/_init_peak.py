@@ -19,7 +19,7 @@ from distributed_strategy import (
     select_shard_targets,
     stream_bucket_bytes,
 )
-from strategy_bench._accounting import local_bytes
+from strategy_bench.measure import local_bytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,192 @@
+"""The argument groups the commands share, and checks of their values."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+from pathlib import Path
+from typing import Any, NoReturn
+
+from strategy_bench._errors import BenchUsageError
+from strategy_bench.results import read_results
+from strategy_bench.workload import (
+    CPU_DEFAULT_MODELS,
+    ESTIMATE_DEFAULT_MODELS,
+    GPU_DEFAULT_MODELS,
+    PRESETS,
+    WorkloadSpec,
+    check_workload,
+    load_callable,
+    parse_init_params,
+)
+
+logger = logging.getLogger(__name__)
+
+
+USAGE_EXIT = 2
+"""The exit code of bad input (one line on stderr)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """Bad input is one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_EXIT, f"strategy-bench: error: {message} (see {self.prog} --help)\n")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="ranks to spawn (default: every visible GPU on CUDA, 2 on CPU)",
+    )
+    add_workload_arguments(parser, default_models="tiny small on CPU, small medium large on CUDA")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("bench-results/latest"))
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        metavar="TFLOPS",
+        help="peak TFLOP/s per rank for MFU (default: the datasheet of a known GPU)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the results an earlier run left in --out",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the earlier run's rows in --out and measure only the points it lacks",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="end the whole run after this (default 3600)",
+    )
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, *, default_models: str) -> None:
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=sorted(PRESETS),
+        default=None,
+        help=f"preset sizes (default: {default_models})",
+    )
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per rank per step")
+    parser.add_argument("--seq-len", type=int, default=None, help="override the presets' length")
+    parser.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: autocast compute, fp32 master weights",
+    )
+    parser.add_argument(
+        "--model-factory",
+        default=None,
+        metavar="package.module:callable",
+        help="benchmark your own model (with --input-factory)",
+    )
+    parser.add_argument(
+        "--init-params",
+        default=None,
+        metavar="JSON",
+        help="keyword arguments for --model-factory, a JSON object",
+    )
+    parser.add_argument(
+        "--input-factory",
+        default=None,
+        metavar="package.module:callable",
+        help="(batch_size, device, generator) -> one batch for one rank",
+    )
+    parser.add_argument(
+        "--trainable",
+        default=None,
+        metavar="package.module:callable",
+        help="trainable policy applied to the built model before the wrap",
+    )
+
+
+def workload_specs(args: argparse.Namespace, device: str) -> list[WorkloadSpec]:
+    user = (args.model_factory, args.input_factory)
+    if any(user) and not all(user):
+        missing = "--input-factory" if args.model_factory else "--model-factory"
+        raise BenchUsageError(f"--model-factory and --input-factory go together; add {missing}")
+    if (args.init_params or args.trainable) and not args.model_factory:
+        raise BenchUsageError("--init-params and --trainable need --model-factory")
+    specs: list[WorkloadSpec] = []
+    if args.model_factory:
+        load_callable(args.model_factory, argument="--model-factory")
+        load_callable(args.input_factory, argument="--input-factory")
+        if args.trainable:
+            load_callable(args.trainable, argument="--trainable")
+        parse_init_params(args.init_params)
+        spec = WorkloadSpec(
+            model_factory=args.model_factory,
+            init_params=args.init_params,
+            input_factory=args.input_factory,
+            trainable=args.trainable,
+        )
+        check_workload(spec.build(), args.batch_size)
+        specs.append(spec)
+    models = args.models
+    if models is None and not specs:
+        if args.command == "estimate":
+            models = list(ESTIMATE_DEFAULT_MODELS)
+        elif args.command == "sweep":
+            models = ["small"] if device == "cpu" else ["medium"]
+        else:
+            models = list(CPU_DEFAULT_MODELS if device == "cpu" else GPU_DEFAULT_MODELS)
+    specs += [WorkloadSpec(preset=name, seq_len=args.seq_len) for name in models or ()]
+    return specs
+
+
+_UNITS = {
+    "": 2**20,
+    "b": 1,
+    "k": 2**10,
+    "kb": 2**10,
+    "kib": 2**10,
+    "m": 2**20,
+    "mb": 2**20,
+    "mib": 2**20,
+    "g": 2**30,
+    "gb": 2**30,
+    "gib": 2**30,
+}
+
+
+def parse_memory(text: str) -> int:
+    """``--memory-budget``: ``"4GiB"``, ``"512MiB"``, ``"1.5g"``; a bare number is MiB."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise BenchUsageError(
+            f"--memory-budget must be a size such as 4GiB, 512MiB or 2048 (MiB), got {text!r}"
+        )
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if value <= 0:
+        raise BenchUsageError(f"--memory-budget must be positive, got {text!r}")
+    return int(value)
+
+
+def check_sizes(args: argparse.Namespace) -> None:
+    if args.batch_size < 1:
+        raise BenchUsageError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.seq_len is not None and args.seq_len < 2:
+        raise BenchUsageError(f"--seq-len must be >= 2, got {args.seq_len}")
+
+
+def read_or_usage_error(path: Path) -> dict[str, Any]:
+    try:
+        return read_results(path)
+    except ValueError as error:
+        raise BenchUsageError(str(error)) from None

@@ -1,0 +1,312 @@
+"""``strategy-bench estimate``: every point on a fake group, the peak, fits, the largest model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from strategy_bench._errors import BenchUsageError
+from strategy_bench.cli._args import (
+    add_workload_arguments,
+    check_sizes,
+    read_or_usage_error,
+    workload_specs,
+)
+from strategy_bench.estimate import (
+    AGREEMENT,
+    DATASHEET_MEMORY_GIB,
+    DEFAULT_GPUS_PER_NODE,
+    DEFAULT_WORLD_SIZES,
+    PRESET_SCALE_PARAM,
+    DeviceMemory,
+    EstimateOptions,
+    agreement,
+    annotate_fits,
+    device_memory,
+    estimate_environment,
+    estimate_points,
+    largest_lines,
+    peak_rss_bytes,
+    run_estimate,
+    scale_start,
+)
+from strategy_bench.estimate import SCHEMA as ESTIMATE_SCHEMA
+from strategy_bench.measure import STRATEGIES
+from strategy_bench.report import (
+    agreement_table,
+    estimate_table,
+    largest_table,
+)
+from strategy_bench.results import (
+    OK,
+    knob_text,
+    ok_rows,
+    require_out_dir,
+    write_json_atomic,
+)
+from strategy_bench.workload import WorkloadSpec
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Estimate's arguments: the workload, world sizes, device memory, --largest."""
+    add_workload_arguments(parser, default_models="large")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_WORLD_SIZES),
+        metavar="N",
+        help="world sizes to estimate (default: 2 8 64 512)",
+    )
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        choices=STRATEGIES,
+        default=list(STRATEGIES),
+        help="default: all (HSDP where the world spans more than one node)",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=DEFAULT_GPUS_PER_NODE,
+        metavar="N",
+        help="ranks per node: HSDP's shard degree, and what stays inside a node (default 8)",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="also estimate each strategy with every block checkpointed",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        metavar="N",
+        help="points estimated at once, each in its own process (default: min(4, CPUs))",
+    )
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="RESULTS.json",
+        help="check the estimate against these runs at the world sizes they measured",
+    )
+    device = parser.add_mutually_exclusive_group()
+    device.add_argument(
+        "--device-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="each rank's device memory: every row gets fits and headroom_bytes",
+    )
+    device.add_argument(
+        "--gpu",
+        default=None,
+        metavar="NAME",
+        help=f"the device memory from the datasheet table ({', '.join(DATASHEET_MEMORY_GIB)})",
+    )
+    parser.add_argument(
+        "--largest",
+        action="store_true",
+        help="find the largest model of each family that fits (needs --gpu or --device-memory)",
+    )
+    parser.add_argument(
+        "--scale-param",
+        default=None,
+        metavar="NAME",
+        help="the integer init parameter --largest scales (default: a preset's depth)",
+    )
+    parser.add_argument("--out", type=Path, default=Path("bench-results/estimate"))
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier estimate in --out"
+    )
+
+
+def command(args: argparse.Namespace) -> int:
+    """``strategy-bench estimate``: every point on a fake group, then the JSON, plot, tables."""
+    from strategy_bench.report import plot_estimate, plot_largest, plot_timeline
+
+    check_sizes(args)
+    for world in args.world_size:
+        if world < 1:
+            raise BenchUsageError(f"--world-size must be >= 1, got {world}")
+    if args.jobs < 1:
+        raise BenchUsageError(f"--jobs must be >= 1, got {args.jobs}")
+    device = device_memory(args.gpu, args.device_memory)
+    if args.largest and device is None:
+        raise BenchUsageError("--largest needs the device: give --gpu NAME or --device-memory GIB")
+    if args.scale_param is not None and not args.largest:
+        raise BenchUsageError("--scale-param names what --largest scales; add --largest")
+    out: Path = args.out
+    require_out_dir(out, "the estimate")
+    if (out / "estimate.json").exists() and not args.overwrite:
+        raise BenchUsageError(
+            f"--out {str(out)!r} already holds an estimate; pass --overwrite or another --out"
+        )
+    measured = [row for path in args.compare or () for row in read_or_usage_error(path)["results"]]
+    specs = workload_specs(args, "cpu")
+    for spec in specs:
+        spec.build().meta_model()  # fails here, as one line, if it cannot be built on meta
+    scale_param = args.scale_param
+    if args.largest:
+        if scale_param is None and any(spec.preset is None for spec in specs):
+            raise BenchUsageError(
+                "--largest with --model-factory needs --scale-param NAME (an integer init "
+                "parameter of the factory)"
+            )
+        scale_param = scale_param or PRESET_SCALE_PARAM
+        for spec in specs:
+            scale_start(spec, scale_param)  # an unknown parameter fails here, as one line
+    if args.gpus_per_node < 1:
+        raise BenchUsageError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+    options = EstimateOptions(
+        batch_size=args.batch_size, dtype=args.dtype, gpus_per_node=args.gpus_per_node
+    )
+    worlds = list(dict.fromkeys(args.world_size))
+    points = estimate_points(
+        len(specs),
+        args.strategies,
+        worlds,
+        activation_checkpointing=args.activation_checkpointing,
+        gpus_per_node=args.gpus_per_node,
+    )
+    jobs = min(args.jobs, len(points))
+    sys.stderr.write(
+        f"strategy-bench: estimating {len(points)} point(s) at world sizes "
+        f"{' '.join(map(str, worlds))} on fake process groups, {jobs} at a time\n"
+    )
+    begin = time.monotonic()
+
+    def progress(count: int, total: int, row: dict[str, Any]) -> None:
+        what = f"{row['strategy']} {row['model']} {knob_text(row['knobs'], ' ')}".strip()
+        ranks = "any" if row["strategy"] == "ddp" else str(row["world_size"])
+        if row["status"] != "ok":
+            logger.info("[%d/%d] %s, %s ranks: failed: %s", count, total, what, ranks, row["error"])
+            return
+        logger.info(
+            "[%d/%d] %s, %s ranks: %.2f GiB per rank, %.1f s",
+            count,
+            total,
+            what,
+            ranks,
+            row["total_bytes"] / 2**30,
+            row["seconds"],
+        )
+
+    rows = run_estimate(specs, points, options, jobs=jobs, progress=progress)
+    if device is not None:
+        rows = [
+            {**row, **annotate_fits(row, device)} if row["status"] == OK else row for row in rows
+        ]
+    largest: list[dict[str, Any]] = []
+    if args.largest:
+        assert device is not None and scale_param is not None
+        largest = _find_largest(args, specs, rows, scale_param, worlds, options, device, jobs)
+    env = estimate_environment(options, jobs)
+    env["seconds"] = time.monotonic() - begin
+    env["peak_rss_bytes"] = peak_rss_bytes(jobs)
+    env["device_memory"] = None if device is None else device.to_json()
+    checked = agreement(rows, measured)
+    payload: dict[str, Any] = {
+        "schema": ESTIMATE_SCHEMA,
+        "env": env,
+        "rows": rows,
+        "agreement": checked,
+    }
+    if args.largest:
+        payload["largest"] = largest
+    write_json_atomic(out / "estimate.json", payload)
+    png = plot_estimate(rows, out / "estimate.png") if ok_rows(rows) else None
+    timeline = plot_timeline(rows, out / "timeline.png") if ok_rows(rows) else None
+    print(estimate_table(rows))
+    if device is not None:
+        print(
+            f"device: {device.name}, {device.total_bytes / 2**30:.1f} GiB less "
+            f"{device.reserve_bytes / 2**30:.1f} GiB reserved for the CUDA context and NCCL"
+        )
+    if largest:
+        print("\nlargest model that fits:\n" + largest_table(largest))
+        print(f"plot: {plot_largest(largest, out / 'largest.png')}")
+    if timeline is not None:
+        print(f"memory timeline: {timeline}")
+    print(
+        f"estimated in {env['seconds']:.1f} s, peak RSS {env['peak_rss_bytes'] / 2**30:.2f} GiB "
+        + ("(one process)" if jobs == 1 else f"at most ({jobs} worker processes included)")
+    )
+    if args.compare is not None:
+        if not checked:
+            print("--compare: no measured point matches (model, strategy, knobs, ranks, batch)")
+        else:
+            print("\nestimate vs measured:\n" + agreement_table(checked))
+    print(f"estimate: {out / 'estimate.json'}\nplot: {png or '-'}")
+    failed = [row for row in rows if row["status"] != "ok"]
+    for model, row in {r["model"]: r for r in failed}.items():
+        count = sum(r["model"] == model for r in failed)
+        sys.stderr.write(
+            f"strategy-bench: could not estimate {model} ({count} point(s) failed, e.g. "
+            f"{row['strategy']} at {row['world_size']} ranks): {row['error']}; the model must "
+            "run on fake tensors: no .item(), no shapes that depend on values\n"
+        )
+    if failed:
+        return 1
+    if not all(row["ok"] for row in checked):
+        sys.stderr.write(
+            "strategy-bench: the estimate disagrees with a measurement beyond the tolerance "
+            f"({', '.join(f'{k} {100 * v:.0f}%' for k, v in AGREEMENT.items())})\n"
+        )
+        return 1
+    return 0
+
+
+def _find_largest(
+    args: argparse.Namespace,
+    specs: Sequence[WorkloadSpec],
+    rows: Sequence[dict[str, Any]],
+    scale_param: str,
+    worlds: Sequence[int],
+    options: EstimateOptions,
+    device: DeviceMemory,
+    jobs: int,
+) -> list[dict[str, Any]]:
+    """``--largest``: every family's largest model per strategy and world size."""
+    sys.stderr.write(
+        f"strategy-bench: --largest: bisecting {scale_param} on fake steps, "
+        f"{device.usable_bytes / 2**30:.1f} GiB usable per rank\n"
+    )
+    entries: list[dict[str, Any]] = []
+
+    def progress(entry: dict[str, Any]) -> None:
+        what = f"{entry['strategy']} {entry['model']} {knob_text(entry['knobs'], ' ')}".strip()
+        logger.info(
+            "largest: %s, %d ranks: %s=%s (%d probes)",
+            what,
+            entry["world_size"],
+            scale_param,
+            entry["scale_value"],
+            entry["probes"],
+        )
+
+    for spec in specs:
+        name = spec.build().name
+        entries += largest_lines(
+            spec,
+            scale_param,
+            worlds,
+            options,
+            device,
+            strategies=args.strategies,
+            activation_checkpointing=args.activation_checkpointing,
+            known=[row for row in rows if row["model"] == name],
+            jobs=jobs,
+            progress=progress,
+        )
+    return entries

@@ -1,0 +1,26 @@
+"""How each point is measured: steps, batch, dtype, seed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How each configuration is measured.
+
+    Attributes:
+        steps: Timed training steps.
+        warmup: Untimed steps before them.
+        batch_size: Samples per rank per step.
+        dtype: ``"fp32"``, or ``"bf16"`` for bf16 autocast (fp32 master weights).
+        seed: Construction seed; each rank's data stream is derived from it.
+        wrap_repeats: Warm wraps timed per wrapper (the median is reported).
+    """
+
+    steps: int = 20
+    warmup: int = 5
+    batch_size: int = 8
+    dtype: str = "fp32"
+    seed: int = 0
+    wrap_repeats: int = 5

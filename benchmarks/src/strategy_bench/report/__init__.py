@@ -1,0 +1,39 @@
+"""What a person reads: tables, plots, report.md, the sweep's recommendation."""
+
+from __future__ import annotations
+
+from strategy_bench.report._plots import (
+    plot_estimate,
+    plot_largest,
+    plot_runs,
+    plot_sweep,
+    plot_timeline,
+    run_label,
+)
+from strategy_bench.report._recommend import budgeted, recommend, yaml_section
+from strategy_bench.report._report import ONE_RANK_NOTE, verdict, write_report
+from strategy_bench.report._table import (
+    agreement_table,
+    estimate_table,
+    largest_table,
+    summary_table,
+)
+
+__all__ = [
+    "ONE_RANK_NOTE",
+    "agreement_table",
+    "budgeted",
+    "estimate_table",
+    "largest_table",
+    "plot_estimate",
+    "plot_largest",
+    "plot_runs",
+    "plot_sweep",
+    "plot_timeline",
+    "recommend",
+    "run_label",
+    "summary_table",
+    "verdict",
+    "write_report",
+    "yaml_section",
+]

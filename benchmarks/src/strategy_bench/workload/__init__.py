@@ -1,0 +1,55 @@
+"""What is trained: the presets, a user's factories, the step and wrap knobs."""
+
+from __future__ import annotations
+
+from strategy_bench.workload._knobs import (
+    compile_unavailable,
+    micro_steps,
+    needs_compiler,
+    prepare_blocks,
+    step_knobs,
+    wrap_knobs,
+)
+from strategy_bench.workload._presets import (
+    CPU_DEFAULT_MODELS,
+    ESTIMATE_DEFAULT_MODELS,
+    GPU_DEFAULT_MODELS,
+    PRESETS,
+    BenchTransformer,
+    Preset,
+    next_token_loss,
+    synthetic_tokens,
+)
+from strategy_bench.workload._spec import WorkloadSpec
+from strategy_bench.workload._workload import (
+    Workload,
+    check_workload,
+    load_callable,
+    parse_init_params,
+    preset_workload,
+    training_optimizer,
+)
+
+__all__ = [
+    "CPU_DEFAULT_MODELS",
+    "ESTIMATE_DEFAULT_MODELS",
+    "GPU_DEFAULT_MODELS",
+    "PRESETS",
+    "BenchTransformer",
+    "Preset",
+    "Workload",
+    "WorkloadSpec",
+    "check_workload",
+    "compile_unavailable",
+    "load_callable",
+    "micro_steps",
+    "needs_compiler",
+    "next_token_loss",
+    "parse_init_params",
+    "prepare_blocks",
+    "preset_workload",
+    "step_knobs",
+    "synthetic_tokens",
+    "training_optimizer",
+    "wrap_knobs",
+]
