@@ -1,7 +1,7 @@
-"""strategy-bench: DDP vs FSDP step throughput, wrap overhead, init time and memory.
+"""strategy-bench: DDP vs FSDP vs HSDP: throughput, wrap overhead, init, memory, cost.
 
-The command line (``strategy-bench run | sweep | plot``) is the main interface; the names
-below let a script drive the same measurements.
+The command line (``strategy-bench run | sweep | estimate | plot``) is the main interface;
+the names below let a script drive the same measurements.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from distributed_strategy import (
+    SUPPORTED_DISTRIBUTED_STRATEGIES,
     DistributedConfig,
     hsdp_mesh,
     select_shard_targets,
@@ -25,7 +26,7 @@ from distributed_strategy import (
 from strategy_bench._errors import BenchUsageError
 from strategy_bench.workload import wrap_knobs
 
-STRATEGIES = ("ddp", "fsdp", "hsdp")
+STRATEGIES = tuple(sorted(SUPPORTED_DISTRIBUTED_STRATEGIES))
 """What ``--strategies`` takes: DDP, FSDP, and HSDP (FSDP over a 2-D mesh, see
 :func:`hsdp_shape`)."""
 

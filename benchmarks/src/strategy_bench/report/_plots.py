@@ -322,7 +322,7 @@ def plot_sweep(payload: Mapping[str, Any], path: Path) -> Path:
     compile); circles the wrapper's knobs and the defaults.
     """
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    for index, strategy in enumerate(("ddp", "fsdp")):
+    for index, strategy in enumerate(("ddp", "fsdp", "hsdp")):
         rows = [r for r in ok_rows(payload["results"]) if r["strategy"] == strategy]
         if not rows:
             continue
