@@ -83,8 +83,11 @@ def strategy_of(model: nn.Module) -> Strategy:
     fsdp1 = _fsdp1_class()
     if fsdp1 is not None and isinstance(model, fsdp1):
         return "fsdp"
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not sharded:
-        return "none"
-    meshes = (getattr(p, "device_mesh", None) for m in sharded for p in m.parameters())
-    return "hsdp" if any(mesh is not None and mesh.ndim == 2 for mesh in meshes) else "fsdp"
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # the outermost: its first sharded parameter's mesh
+            for param in module.parameters():
+                mesh = getattr(param, "device_mesh", None)
+                if mesh is not None:
+                    return "hsdp" if mesh.ndim == 2 else "fsdp"
+            return "fsdp"
+    return "none"
