@@ -44,6 +44,7 @@ def test_largest_grows_with_the_world_under_fsdp_only(
     """A 4 MiB device (after the reserve): the tiny family scaled in depth, at 2 and 8 ranks."""
     gib = (DEVICE_RESERVE_BYTES + 4 * 2**20) / 2**30
     args = ["--world-size", "2", "8", "--device-memory", repr(gib), "--largest"]
+    args += ["--gpus-per-node", "4"]  # 8 ranks are 2 nodes: an HSDP line sharded over 4
     estimate = _estimate(tmp_path, *args)
     largest = {
         (e["strategy"], tuple(sorted(e["knobs"].items())), e["world_size"]): e
@@ -54,6 +55,9 @@ def test_largest_grows_with_the_world_under_fsdp_only(
     assert ddp[0]["scale_value"] == ddp[1]["scale_value"] >= 1  # every rank holds it all
     assert fsdp[1]["scale_value"] > fsdp[0]["scale_value"] > ddp[0]["scale_value"]
     assert fsdp[1]["largest_params"] > fsdp[0]["largest_params"]
+    hsdp = largest[("hsdp", (), 8)]  # 1/4 of the model per rank: between FSDP's 1/2 and 1/8
+    assert ("hsdp", (), 2) not in largest
+    assert fsdp[0]["scale_value"] <= hsdp["scale_value"] <= fsdp[1]["scale_value"]
     for entry in largest.values():
         assert entry["scale_param"] == "depth" and not entry["at_least"]
         assert 0 <= entry["headroom_bytes"] < entry["peak_bytes"]

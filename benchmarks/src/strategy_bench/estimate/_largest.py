@@ -33,10 +33,12 @@ PRESET_SCALE_PARAM = "depth"
 LARGEST_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("ddp", {}),
     ("fsdp", {}),
+    ("hsdp", {}),
     ("fsdp", {"param_dtype": "bf16", "reduce_dtype": "fp32"}),
 )
-"""The lines of ``--largest``: each strategy at its defaults, and FSDP with bf16 parameters;
-``--activation-checkpointing`` adds each strategy with every block checkpointed."""
+"""The lines of ``--largest``: each strategy at its defaults (HSDP where the world spans more
+than one node), and FSDP with bf16 parameters; ``--activation-checkpointing`` adds DDP and FSDP
+with every block checkpointed."""
 
 CHECKPOINTED_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("ddp", {"activation_checkpointing": True}),
@@ -86,7 +88,7 @@ def largest_lines(
     options: EstimateOptions,
     device: DeviceMemory,
     *,
-    strategies: Sequence[str] = ("ddp", "fsdp"),
+    strategies: Sequence[str] = ("ddp", "fsdp", "hsdp"),
     activation_checkpointing: bool = False,
     known: Sequence[Mapping[str, Any]] = (),
     jobs: int = 1,
@@ -94,10 +96,11 @@ def largest_lines(
 ) -> list[dict[str, Any]]:
     """Per strategy (and knobs) and world size, the largest value of ``param`` that fits.
 
-    DDP's per-rank memory does not depend on the world size: it is searched once and its
-    entry repeated. ``known`` rows (the estimate of the unscaled workload, same options)
-    stand for the probes at the starting value. ``jobs > 1`` searches that many lines at
-    once, each in a spawned process with its own fake process group.
+    DDP's per-rank memory does not depend on the world size, nor HSDP's (a shard group is one
+    node): each is searched once and its entry repeated. ``known`` rows (the estimate of the
+    unscaled workload, same options) stand for the probes at the starting value.
+    ``jobs > 1`` searches that many lines at once, each in a spawned process with its own fake
+    process group.
 
     Returns:
         One entry per line and world size: ``model``, ``strategy``, ``knobs``,
@@ -115,7 +118,12 @@ def largest_lines(
         if strategy not in strategies:
             continue
         for world in world_sizes:
-            line = _line_key(strategy, knobs, None if strategy == "ddp" else world)
+            nodes, spare = divmod(world, options.gpus_per_node)
+            if strategy == "hsdp" and (nodes < 2 or spare):
+                continue  # one node: HSDP would be FSDP
+            # DDP holds the whole model and HSDP 1/gpus_per_node of it at any world size: one
+            # search each, repeated; FSDP's shard shrinks with the world: one per world size.
+            line = _line_key(strategy, knobs, world if strategy == "fsdp" else None)
             searched.setdefault(line, EstimatePoint(0, strategy, dict(knobs), world))
             order.append((line, world))
     found: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -141,7 +149,7 @@ def largest_lines(
     entries = []
     for line, world in order:
         entry = found[line]
-        if entry["world_size"] != world:  # DDP's one line, repeated
+        if entry["world_size"] != world:  # DDP's or HSDP's one line, repeated
             entry = {**entry, "world_size": world, "probes": 0}
         entries.append(entry)
     return entries
