@@ -82,21 +82,26 @@ def fsdp_gather_outputs(model: nn.Module) -> list[torch.Tensor]:
     return outputs
 
 
-def collective_group(args: tuple[object, ...]) -> dist.ProcessGroup | None:
+def collective_group(func: Any, args: tuple[object, ...]) -> dist.ProcessGroup | None:
     """The process group a c10d op's arguments name, or ``None``.
 
     The eager c10d ops (what DDP's reducer and FSDP2 issue) carry the group as a boxed
-    TorchScript object, the functional ones by name.
+    TorchScript object; the functional ones by name, in their ``group_name`` argument (found
+    by the op's schema: a reduce op's name is a string too).
     """
     for arg in args:
         if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in str(arg._type()):
             return dist.ProcessGroup.unbox(arg)
     resolve: Any = getattr(dist.distributed_c10d, "_resolve_process_group", None)
-    for arg in args:
-        if isinstance(arg, str) and resolve is not None:
-            try:
-                group: dist.ProcessGroup = resolve(arg)
-            except (KeyError, RuntimeError, ValueError):
-                return None
-            return group
-    return None
+    schema = getattr(func, "_schema", None)
+    names = [argument.name for argument in schema.arguments] if schema is not None else []
+    if resolve is None or "group_name" not in names:
+        return None
+    index = names.index("group_name")
+    if index >= len(args) or not isinstance(args[index], str):
+        return None
+    try:
+        group: dist.ProcessGroup = resolve(args[index])
+    except (KeyError, RuntimeError, ValueError):
+        return None
+    return group

@@ -4,7 +4,8 @@ The rules of the pipeline (``prepare_model``), applied to a model's sizes read o
 device: DDP puts a full replica on every device; FSDP never does (``source="local"``: each
 rank builds the whole model on its host and moves it unit by unit, so the device holds its
 shards plus one unit in transit; ``source="rank0"``: only rank 0 builds on its host, and
-rank 0's tensors are streamed into the shards in bounded buckets).
+rank 0's tensors are streamed into the shards in bounded buckets; rank 0 also moves each unit
+of its host copy as it shards it, as under "local").
 """
 
 from __future__ import annotations
@@ -73,8 +74,14 @@ def init_peaks(
         "rank0": {
             "host_rank0": whole,
             "host_other": 0,
+            # Rank 0 moves each unit as it shards it (as under "local"); then every rank
+            # receives the stream, one bucket (or the largest tensor) at a time.
             "device": shard_bytes
-            + max(sizes.largest_tensor, stream_bucket_bytes(whole, world_size)),
+            + max(
+                sizes.largest_unit,
+                sizes.largest_tensor,
+                stream_bucket_bytes(whole, world_size),
+            ),
         },
     }
 

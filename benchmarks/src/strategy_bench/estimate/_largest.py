@@ -19,6 +19,8 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Any
 
+import torch.distributed as dist
+
 from strategy_bench._errors import BenchUsageError
 from strategy_bench.estimate._estimate import EstimateOptions, EstimatePoint, estimate_point
 from strategy_bench.estimate._fits import DeviceMemory
@@ -100,7 +102,8 @@ def largest_lines(
     node): each is searched once and its entry repeated. ``known`` rows (the estimate of the
     unscaled workload, same options) stand for the probes at the starting value.
     ``jobs > 1`` searches that many lines at once, each in a spawned process with its own fake
-    process group.
+    process group; so does a process that already has a process group of its own (left
+    alone), as in :func:`run_estimate`.
 
     Returns:
         One entry per line and world size: ``model``, ``strategy``, ``knobs``,
@@ -133,7 +136,7 @@ def largest_lines(
         return (spec, param, start, point, options, device, seed)
 
     lines = list(searched.items())
-    if jobs <= 1 or len(lines) <= 1:
+    if (jobs <= 1 or len(lines) <= 1) and not dist.is_initialized():
         for line, point in lines:
             found[line] = _search(*task(point))
             if progress is not None:

@@ -72,7 +72,7 @@ class CommBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 size = _nbytes(data)
                 self.bytes[name] += size
                 self.calls[name] += 1
-                group = self.by_group.setdefault(collective_group(args), {})
+                group = self.by_group.setdefault(collective_group(func, args), {})
                 group[name] = group.get(name, 0) + size
         return out
 
@@ -236,7 +236,8 @@ def account(
     Returns:
         ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``ddp_bucket_bytes``,
         ``activation_peak_bytes``, ``comm_bytes_per_step``, ``comm_calls_per_step``, and
-        the tracked step's ``tracked_peak_bytes``, ``peak_phase``, ``peak_parts_bytes``
+        the tracked step's ``tracked_peak_bytes`` (``tracked_entry_bytes``: what it started
+        from), ``peak_phase``, ``peak_parts_bytes``
         (``model``: parameters, buffers and inputs; ``optimizer``; ``fsdp_gathered``;
         ``step_tensors``: activations, gradients and temporaries; ``ddp_buckets``: DDP's
         reducer buckets, held all along) and ``memory_timeline`` (``[phase, bytes]``
@@ -254,6 +255,7 @@ def account(
     state = optimizer_state_tensors(optimizer)
     held = [*model.parameters(), *model.buffers(), *state, *tree_leaves(list(batches))]
     tracker = LiveTensors(held, fsdp_gather_outputs(model), ignored=stand_ins)
+    entry = tracker.peak  # what the step starts from: the held tensors, FSDP's gathered ones
 
     def phase(name: str) -> None:
         tracker.phase = name
@@ -267,6 +269,7 @@ def account(
     buckets = ddp_bucket_bytes(model)
     out = {
         "tracked_peak_bytes": tracker.peak + buckets,
+        "tracked_entry_bytes": entry + buckets,
         "peak_phase": tracker.peak_phase,
         "peak_parts_bytes": {
             "model": parts["held"] - state_bytes,

@@ -194,7 +194,7 @@ def _wrap(
             if cold:  # the group's setup (NCCL communicator included) is part of a cold wrap
                 group = dist.new_group()
                 groups.append(group)
-            wrap(strategy, fresh.pop(), device, knobs, group)
+            wrap(strategy, fresh.pop(), device, knobs, group, made=groups)
 
         elapsed, _ = timed_ms(run, device)
         return elapsed
@@ -263,10 +263,14 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
     out["peak_mem_bytes"] = memory.peak
     out["peak_reserved_bytes"] = memory.reserved
     batch = [next(cycle) for _ in range(micro)]
-    if device.type == "cuda":  # the allocator's peak is the tracked figure on a GPU
+    if device.type == "cuda":  # on a GPU the allocator's growth over the step is the figure
         with PeakMemory(device) as tracked:
             out.update(account(wrapped, optimizer, workload.loss, batch, compute))
-        out["tracked_peak_bytes"] = tracked.peak
+        # What the step started from, as the tracker counts it (held tensors, DDP's buckets),
+        # plus the allocator's growth: not the cuBLAS workspace or cached batches allocated
+        # before the step, which no estimate of tensors holds.
+        out["allocator_peak_bytes"] = tracked.peak
+        out["tracked_peak_bytes"] = out["tracked_entry_bytes"] + tracked.peak - tracked.start
     else:
         out.update(account(wrapped, optimizer, workload.loss, batch, compute))
     checkpoint_cost(wrapped, optimizer, device, raw_first=point.index % 2 == 0, out=out)

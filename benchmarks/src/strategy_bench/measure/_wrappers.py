@@ -69,11 +69,13 @@ def ours(
     group: dist.ProcessGroup | None = None,
     *,
     hsdp: tuple[int, int] | None = None,
+    made: list[dist.ProcessGroup] | None = None,
 ) -> nn.Module:
     """Wrap with our wrapper: ``wrap_module_ddp`` or ``wrap_module_fsdp``.
 
     ``knobs`` may hold the step's knobs too (``grad_accum``, ...); only the wrapper's are used.
     ``hsdp`` is HSDP's mesh shape when not :func:`hsdp_shape`'s (the estimate's nodes).
+    ``made`` collects the process groups a cold wrap creates (the caller destroys them).
     """
     knobs = wrap_knobs(knobs)
     if strategy == "ddp":
@@ -81,7 +83,7 @@ def ours(
         if group is not None:
             kwargs["process_group"] = group
         return wrap_module_ddp(module, device=device, **kwargs)
-    mesh = _mesh(strategy, device, group, hsdp)
+    mesh = _mesh(strategy, device, group, hsdp, made)
     return wrap_module_fsdp(module, device=device, mesh=mesh, **knobs)
 
 
@@ -91,8 +93,10 @@ def raw(
     device: torch.device,
     knobs: Mapping[str, Any],
     group: dist.ProcessGroup | None = None,
+    *,
+    made: list[dist.ProcessGroup] | None = None,
 ) -> nn.Module:
-    """Wrap with plain torch, as a trainer without our packages would."""
+    """Wrap with plain torch, as a trainer without our packages would (``made``: see ours)."""
     knobs = wrap_knobs(knobs)
     if strategy == "ddp":
         ids = {"device_ids": [device.index], "output_device": device.index}
@@ -107,7 +111,7 @@ def raw(
         reduce_dtype=torch_dtype(knobs.get("reduce_dtype")),
     )
     reshard = bool(knobs.get("reshard_after_forward", True))
-    mesh = _mesh(strategy, device, group)
+    mesh = _mesh(strategy, device, group, None, made)
     for sub in select_shard_targets(module, None):
         fully_shard(sub, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
@@ -126,16 +130,21 @@ def _mesh(
     device: torch.device,
     group: dist.ProcessGroup | None,
     shape: tuple[int, int] | None = None,
+    made: list[dist.ProcessGroup] | None = None,
 ) -> DeviceMesh:
     """FSDP's 1-D mesh over ``group`` (default: the world), or HSDP's 2-D one.
 
     HSDP's mesh is built once per default group (its subgroups are kept), except for a cold
-    wrap (``group`` given), whose timing includes building a mesh of new subgroups.
+    wrap (``group`` given), whose timing includes building a mesh of new subgroups; those are
+    appended to ``made``.
     """
     if strategy == "hsdp":
         shape = shape or hsdp_shape(dist.get_world_size())
         if group is not None:
-            return hsdp_mesh(device, replicate=shape[0], shard=shape[1])
+            cold = hsdp_mesh(device, replicate=shape[0], shard=shape[1])
+            if made is not None:
+                made += [cold.get_group(0), cold.get_group(1)]
+            return cold
         key = (dist.distributed_c10d._get_default_group(), device.type, shape)
         if key not in _HSDP_MESHES:
             _HSDP_MESHES[key] = hsdp_mesh(device, replicate=shape[0], shard=shape[1])

@@ -165,6 +165,7 @@ def merge_ranks(
         "peak_reserved_per_rank": [r["peak_reserved_bytes"] for r in per_rank],
         "tracked_peak_bytes": tracked.get("tracked_peak_bytes"),
         "tracked_peak_per_rank": [r.get("tracked_peak_bytes") for r in per_rank],
+        "allocator_peak_bytes": tracked.get("allocator_peak_bytes"),
         "peak_phase": tracked.get("peak_phase"),
         "peak_parts_bytes": tracked.get("peak_parts_bytes"),
         "memory_timeline": tracked.get("memory_timeline"),

@@ -164,7 +164,10 @@ def build_sharded_model(
     full: dict[str, torch.Tensor] | None = None
     whole = sum(t.numel() * t.element_size() for _, t in stream_targets(model))  # meta too
     if source == "rank0" and rank == 0:
-        full = dict(stream_targets(model))  # references, no copy: sharding replaces the params
+        # Detached aliases of the host storage, no copy. Not the Parameters themselves:
+        # fully_shard moves each one's .data to the device, and holding them would keep the
+        # whole model there until the load.
+        full = {name: tensor.detach() for name, tensor in stream_targets(model)}
     references: dict[int, list[tuple[str, str]]] = {}
     if verify:
         with around("verify"):
