@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 
 from dist_harness import fresh_interpreter, run_ranks, two_rank_backends
 from fsdp_wrap import (
+    hsdp_mesh,
     mixed_precision_policy,
     select_shard_targets,
     torch_dtype,
@@ -117,6 +118,16 @@ class TestPrecision:
             mixed_precision_policy(None, torch.float64)
         with pytest.raises(TypeError, match="param_dtype must be a dtype name"):
             mixed_precision_policy(16, None)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("process_group")
+def test_an_hsdp_mesh_that_is_not_the_world_is_refused() -> None:
+    with pytest.raises(ValueError) as raised:
+        hsdp_mesh("cpu", replicate=2, shard=2)
+    assert str(raised.value) == (
+        "hsdp_mesh: replicate * shard must equal the world size 1, got 2 * 2; e.g. "
+        "replicate=1, shard=1"
+    )
 
 
 @pytest.mark.usefixtures("process_group")

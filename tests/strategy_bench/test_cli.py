@@ -499,6 +499,20 @@ def test_user_model_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
         ),
         (["estimate", "--largest"], "--largest needs the device: give --gpu NAME or"),
         (
+            ["estimate", "--scale-param", "depth"],
+            "--scale-param names what --largest scales; add --largest",
+        ),
+        (
+            ["estimate", "--largest", "--gpu", "H100", *USER_MODEL[:2], *USER_MODEL[4:6]],
+            "--largest with --model-factory needs --scale-param NAME (an integer init parameter",
+        ),
+        (["estimate", "--gpus-per-node", "0"], "--gpus-per-node must be >= 1, got 0"),
+        (
+            ["run", "--device", "cpu", "--strategies", "hsdp"],
+            "HSDP needs at least 4 ranks, an even number on one host (2 x world/2), got a world "
+            "of 2; use --world-size 4, or leave hsdp out of --strategies",
+        ),
+        (
             ["estimate", "--largest", "--gpu", "H100", *USER_MODEL[:6], "--scale-param", "wide"],
             "--scale-param 'wide': the model factory 'make_model' takes no such parameter "
             "(it takes: depth, width)",

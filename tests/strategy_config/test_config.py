@@ -228,3 +228,12 @@ def test_bad_hsdp_configs_are_one_line_errors(
     with pytest.raises(error) as raised:
         DistributedConfig.from_mapping(mapping).hsdp_mesh_shape(world, local)
     assert message in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_local_world_size_that_is_not_a_number_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "four")
+    with pytest.raises(ValueError) as raised:
+        DistributedConfig(strategy="hsdp").hsdp_mesh_shape(8)
+    assert str(raised.value) == (
+        "LOCAL_WORLD_SIZE must be an integer (the ranks per node), got 'four'"
+    )

@@ -102,6 +102,11 @@ class EstimatePoint:
     world_size: int
 
 
+def spans_nodes(world: int, gpus_per_node: int) -> bool:
+    """Whether ``world`` ranks are whole nodes, more than one: where HSDP is estimated."""
+    return world > gpus_per_node and world % gpus_per_node == 0
+
+
 def estimate_points(
     workloads: int,
     strategies: Sequence[str],
@@ -122,7 +127,7 @@ def estimate_points(
         for strategy, knobs in variants
         if strategy in strategies
         for world in world_sizes
-        if strategy != "hsdp" or (world > gpus_per_node and world % gpus_per_node == 0)
+        if strategy != "hsdp" or spans_nodes(world, gpus_per_node)
     ]
 
 

@@ -22,7 +22,12 @@ from typing import Any
 import torch.distributed as dist
 
 from strategy_bench._errors import BenchUsageError
-from strategy_bench.estimate._estimate import EstimateOptions, EstimatePoint, estimate_point
+from strategy_bench.estimate._estimate import (
+    EstimateOptions,
+    EstimatePoint,
+    estimate_point,
+    spans_nodes,
+)
 from strategy_bench.estimate._fits import DeviceMemory
 from strategy_bench.results import OK
 from strategy_bench.workload import WorkloadSpec
@@ -121,8 +126,7 @@ def largest_lines(
         if strategy not in strategies:
             continue
         for world in world_sizes:
-            nodes, spare = divmod(world, options.gpus_per_node)
-            if strategy == "hsdp" and (nodes < 2 or spare):
+            if strategy == "hsdp" and not spans_nodes(world, options.gpus_per_node):
                 continue  # one node: HSDP would be FSDP
             # DDP holds the whole model and HSDP 1/gpus_per_node of it at any world size: one
             # search each, repeated; FSDP's shard shrinks with the world: one per world size.

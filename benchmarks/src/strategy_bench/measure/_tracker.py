@@ -59,22 +59,9 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
     ) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self._seen: set[int] = set()
-        for tensor in ignored:
-            storage = _storage(tensor)
-            if storage is not None:
-                self._seen.add(storage_key(storage))
-        self._held = 0
-        for tensor in held:
-            storage = _storage(tensor)
-            if storage is not None and storage_key(storage) not in self._seen:
-                self._seen.add(storage_key(storage))
-                self._held += storage.nbytes()
-        self._resizable: list[torch.UntypedStorage] = []
-        for tensor in resizable:
-            storage = _storage(tensor)
-            if storage is not None and storage_key(storage) not in self._seen:
-                self._seen.add(storage_key(storage))
-                self._resizable.append(storage)
+        self._new_storages(ignored)
+        self._held = sum(storage.nbytes() for storage in self._new_storages(held))
+        self._resizable = self._new_storages(resizable)
         self._allocated = 0
         self.phase = PHASES[0]
         self.peak = 0
@@ -109,6 +96,16 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
             weakref.finalize(storage, self._free, key, size)
         self._sample()
         return out
+
+    def _new_storages(self, tensors: Iterable[object]) -> list[torch.UntypedStorage]:
+        """The storages of ``tensors`` not seen before, each once; marks them seen."""
+        found = []
+        for tensor in tensors:
+            storage = _storage(tensor)
+            if storage is not None and storage_key(storage) not in self._seen:
+                self._seen.add(storage_key(storage))
+                found.append(storage)
+        return found
 
     def _free(self, key: int, size: int) -> None:
         self._seen.discard(key)

@@ -134,12 +134,15 @@ def _mesh(
 ) -> DeviceMesh:
     """FSDP's 1-D mesh over ``group`` (default: the world), or HSDP's 2-D one.
 
-    HSDP's mesh is built once per default group (its subgroups are kept), except for a cold
-    wrap (``group`` given), whose timing includes building a mesh of new subgroups; those are
-    appended to ``made``.
+    The run's HSDP mesh is built once per default group (its subgroups are kept), except for a
+    cold wrap (``group`` given), whose timing includes building a mesh of new subgroups; those
+    are appended to ``made``. A ``shape`` given (the estimate's, one fake group per point) is
+    built each time.
     """
     if strategy == "hsdp":
-        shape = shape or hsdp_shape(dist.get_world_size())
+        if shape is not None:
+            return hsdp_mesh(device, replicate=shape[0], shard=shape[1])
+        shape = hsdp_shape(dist.get_world_size())
         if group is not None:
             cold = hsdp_mesh(device, replicate=shape[0], shard=shape[1])
             if made is not None:

@@ -162,12 +162,14 @@ def build_sharded_model(
     check_same_structure(model, failure, None)
     assert model is not None
     full: dict[str, torch.Tensor] | None = None
-    whole = sum(t.numel() * t.element_size() for _, t in stream_targets(model))  # meta too
+    targets = stream_targets(model)
+    whole = sum(t.numel() * t.element_size() for _, t in targets)  # meta too
     if source == "rank0" and rank == 0:
         # Detached aliases of the host storage, no copy. Not the Parameters themselves:
         # fully_shard moves each one's .data to the device, and holding them would keep the
         # whole model there until the load.
-        full = {name: tensor.detach() for name, tensor in stream_targets(model)}
+        full = {name: tensor.detach() for name, tensor in targets}
+    del targets
     references: dict[int, list[tuple[str, str]]] = {}
     if verify:
         with around("verify"):
