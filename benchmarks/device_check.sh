@@ -15,9 +15,11 @@
 #     logs.tar.gz    every step's log, tests.xml, the sweep's folder
 #
 # The whole script fits BUDGET seconds (default 400, so that a 600 s command leaves room for
-# the machine's start and a rerun): each step gets at most its own cap and never more than
-# what is left. The script exits 1 if any step failed (a step's status is its own command's,
-# never a pipe's last).
+# the machine's start and a rerun): the steps' caps (CAPS below) add up to the budget less a
+# 10 s reserve for the summary and the packing, the plan is printed first, each step gets at
+# most its own cap and never more than what is left, and the bench and the sweep end cleanly
+# (--time-budget) before their cap kills them (--timeout). The script exits 1 if any step
+# failed or was skipped (a step's status is its own command's, never a pipe's last).
 #
 # At one GPU every run is world size 1: FSDP2 issues no collective and DDP's all-reduce of one
 # rank moves nothing, so NCCL's all-gather and reduce-scatter are not exercised and no
@@ -41,13 +43,33 @@ export PYTHONUNBUFFERED=1 DEVICE="$device"
 steps_file="$work/steps.tsv"
 : > "$steps_file"
 start=$SECONDS
+reserve=10
 
-# step NAME CAP_S COMMAND...: run COMMAND with its output in $work/NAME.log, for at most
-# min(CAP_S, what is left of the budget minus a reserve for the summary and the packing).
+# Each step's cap in seconds, in the order the steps run; they add up to at most
+# BUDGET - reserve (400 - 10) so that a healthy device ends with every step ok.
+CAPS="probe:30 tests:80 fsdp_init_memory:60 single_process:30 bench:110 estimate_agreement:30 sweep:50"
+cap_of() {
+  local entry
+  for entry in $CAPS; do
+    if [ "${entry%%:*}" = "$1" ]; then echo "${entry#*:}"; return; fi
+  done
+  echo 0
+}
+planned=0
+for entry in $CAPS; do planned=$((planned + ${entry#*:})); done
+echo "== plan: $CAPS (sum ${planned} s of a ${budget} s budget, ${reserve} s reserved)"
+if [ "$planned" -gt $((budget - reserve)) ]; then
+  echo "== the caps exceed the budget: the last steps will get less than their cap or be skipped"
+fi
+
+# step NAME COMMAND...: run COMMAND with its output in $work/NAME.log, for at most
+# min(NAME's cap, what is left of the budget minus the reserve for the summary and packing).
 step() {
-  local name="$1" cap="$2"
-  shift 2
-  local left=$((budget - (SECONDS - start) - 10))
+  local name="$1"
+  local cap
+  cap=$(cap_of "$name")
+  shift 1
+  local left=$((budget - (SECONDS - start) - reserve))
   local limit=$((cap < left ? cap : left))
   if [ "$limit" -lt 5 ]; then
     echo "== $name: skipped, the budget is spent"
@@ -66,7 +88,7 @@ step() {
 
 # The device, and on CUDA a 1-rank NCCL all_reduce and barrier under a 30 s timeout, so that an
 # NCCL bootstrap failure is one clear line instead of a hang in every later step.
-step probe 60 "$py" - <<'PY'
+step probe "$py" - <<'PY'
 import datetime
 import os
 import torch
@@ -92,19 +114,22 @@ PY
 # Every test that needs a GPU: the cuda-marked ones, and the NCCL variants (1-rank runs of
 # every package's worker on one GPU, with their values checked; the 2-rank ones where 2 GPUs
 # are visible).
-step tests 120 "$py" -m pytest -q -rs -p no:cacheprovider -W default::DeprecationWarning \
-  --junitxml="$work/tests.xml" tests -k "cuda or nccl"
+# Selected by marker, not by name (-k "nccl" also picked the gloo worker of the module
+# test_nccl_one_rank.py).
+step tests "$py" -m pytest -q -rs -p no:cacheprovider -W default::DeprecationWarning \
+  --junitxml="$work/tests.xml" tests -m "cuda or nccl"
 
-# FSDP from rank 0 never holds the whole model on the device: the allocator's peak during
-# prepare_model stays within this rank's shards + the largest unit + 10% (a 1.6 GiB model).
-fsdp_width=4096
-if [ "$device" = cpu ]; then fsdp_width=512; fi
-step fsdp_init_memory 60 "$py" benchmarks/fsdp_init_memory.py --device "$device" \
-  --width "$fsdp_width" --depth 12
+# FSDP from rank 0 never holds the whole model on the device: on 2 ranks, every rank's
+# allocator peak during prepare_model stays within its shards + the largest unit or bucket in
+# transit + 10%, which is below the whole model (a 1.6 GiB model; fails where it is not).
+fsdp_width=4096 fsdp_depth=12
+if [ "$device" = cpu ]; then fsdp_width=2048 fsdp_depth=16; fi
+step fsdp_init_memory "$py" benchmarks/fsdp_init_memory.py --device "$device" \
+  --width "$fsdp_width" --depth "$fsdp_depth" --ranks 2
 
 # A single process without a group: clip, save, load on the device (the trainer's
 # one-GPU debugging run).
-step single_process 45 "$py" - <<'PY'
+step single_process "$py" - <<'PY'
 import os
 import tempfile
 import torch
@@ -129,7 +154,9 @@ assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 print(f"single process on {device}: clip norm {float(norm):.4f}, save and load exact")
 PY
 
-models="${MODELS:-small large}"
+# small and medium: large (sixteen 5.4 GB wraps, four checkpoint operations of a 16 GB
+# state) does not fit the bench's share of the budget.
+models="${MODELS:-small medium}"
 dtype="${DTYPE:-bf16}"
 steps="${STEPS:-10}"
 if [ "$device" = cpu ]; then
@@ -138,36 +165,38 @@ if [ "$device" = cpu ]; then
   steps="${STEPS:-5}"
 fi
 # shellcheck disable=SC2086  # $models is a list of names
-step bench 200 bash -c '"$0" -m strategy_bench run --device "$1" --models $2 --dtype "$3" \
+step bench bash -c '"$0" -m strategy_bench run --device "$1" --models $2 --dtype "$3" \
   --strategies ddp fsdp --steps "$4" --warmup 3 --out "$5" --overwrite \
+  --time-budget "$((STEP_LIMIT > 60 ? STEP_LIMIT - 40 : STEP_LIMIT / 2))" \
   --timeout "$((STEP_LIMIT > 30 ? STEP_LIMIT - 10 : STEP_LIMIT))"' \
   "$py" "$device" "$models" "$dtype" "$steps" "$work/bench"
 
 # The estimate's per-rank peak against the bench's tracked peak (on CUDA the allocator's
 # max_memory_allocated over one more step): --compare exits 1 beyond the tolerance (peak 10%).
 # shellcheck disable=SC2086  # $models is a list of names
-step estimate_agreement 60 bash -c '"$0" -m strategy_bench estimate --models $1 --dtype "$2" \
+step estimate_agreement bash -c '"$0" -m strategy_bench estimate --models $1 --dtype "$2" \
   --strategies ddp fsdp --world-size 1 2 --jobs 2 --compare "$3/bench/results.json" \
   --out "$3/estimate" --overwrite' \
   "$py" "$models" "$dtype" "$work"
 
-# The step knobs on the device: compile (inductor/Triton), activation checkpointing and
-# gradient accumulation, on the smallest preset. (On a 2-core CPU, inductor's C++ build of one
-# point takes longer than the whole step, so the CPU check leaves compile out.)
+# The step knobs on the device: activation checkpointing and gradient accumulation, on the
+# smallest preset. compile is left out: inductor's build of one point alone outlasts the
+# sweep's share of the budget (KNOBS=compile ... with a larger BUDGET measures it).
 sweep_model=small
-knobs="compile activation_checkpointing grad_accum"
-if [ "$device" = cpu ]; then sweep_model=tiny knobs="activation_checkpointing grad_accum"; fi
+knobs="${KNOBS:-activation_checkpointing grad_accum}"
+if [ "$device" = cpu ]; then sweep_model=tiny; fi
 # shellcheck disable=SC2086  # $knobs is a list of names
-step sweep 90 bash -c '"$0" -m strategy_bench sweep --device "$1" --models "$2" --dtype "$3" \
-  --knobs $4 --steps 3 --warmup 2 --out "$5" \
-  --overwrite --timeout "$((STEP_LIMIT > 30 ? STEP_LIMIT - 10 : STEP_LIMIT))"' \
+step sweep bash -c '"$0" -m strategy_bench sweep --device "$1" --models "$2" --dtype "$3" \
+  --knobs $4 --steps 3 --warmup 2 --out "$5" --overwrite \
+  --time-budget "$((STEP_LIMIT > 30 ? STEP_LIMIT - 20 : STEP_LIMIT / 2))" \
+  --timeout "$((STEP_LIMIT > 30 ? STEP_LIMIT - 10 : STEP_LIMIT))"' \
   "$py" "$device" "$sweep_model" "$dtype" "$knobs" "$work/sweep"
 
-"$py" - "$steps_file" "$out/summary.json" "$device" "$budget" "$((SECONDS - start))" <<'PY'
+"$py" - "$steps_file" "$out/summary.json" "$device" "$budget" "$((SECONDS - start))" "$CAPS" <<'PY'
 import json
 import sys
 
-steps_file, summary, device, budget, total = sys.argv[1:]
+steps_file, summary, device, budget, total, caps = sys.argv[1:]
 steps = []
 for line in open(steps_file, encoding="utf-8"):
     name, rc, seconds, limit = line.rstrip("\n").split("\t")
@@ -180,8 +209,9 @@ for line in open(steps_file, encoding="utf-8"):
         "log": f"logs.tar.gz:{name}.log",
     })
 ok = all(s["status"] == "ok" for s in steps)
-payload = {"device": device, "budget_s": int(budget), "total_s": int(total), "ok": ok,
-           "steps": steps}
+planned = {name: int(cap) for name, cap in (entry.split(":") for entry in caps.split())}
+payload = {"device": device, "budget_s": int(budget), "planned_s": sum(planned.values()),
+           "total_s": int(total), "ok": ok, "caps_s": planned, "steps": steps}
 with open(summary, "w", encoding="utf-8") as f:
     json.dump(payload, f, indent=2)
     f.write("\n")

@@ -40,9 +40,12 @@ def two_rank_backends() -> list[Any]:
         pytest.param(
             ("nccl", 2),
             id="nccl",
-            marks=pytest.mark.skipif(
-                gpus < 2, reason=f"NCCL variant: needs 2 CUDA devices, {gpus} visible"
-            ),
+            marks=[
+                pytest.mark.nccl,
+                pytest.mark.skipif(
+                    gpus < 2, reason=f"NCCL variant: needs 2 CUDA devices, {gpus} visible"
+                ),
+            ],
         ),
     ]
 

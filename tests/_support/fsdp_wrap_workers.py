@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dist_harness import rank_device
-from fsdp_wrap import wrap_module_fsdp
+from fsdp_wrap import hsdp_mesh, wrap_module_fsdp
 from toy_models import RunnerNet, SequentialViT
 
 
@@ -56,4 +56,43 @@ def sharded_step(rank: int, world_size: int) -> dict[str, Any]:
     out["local_grads"] = {
         n: p.grad.tolist() for n, p in local.named_parameters() if p.grad is not None
     }
+    out["stale"] = {kind: _stale_optimizer(world_size, kind) for kind in ("fsdp", "hsdp")}
     return out
+
+
+def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().full_tensor().clone() for n, p in model.named_parameters()}
+
+
+def _stale_optimizer(world_size: int, kind: str) -> dict[str, Any]:
+    """An optimizer made before the wrap is refused at its first step; one made after trains;
+    one over unrelated tensors steps normally."""
+    torch.manual_seed(0)
+    model = SequentialViT().to(rank_device())
+    early = torch.optim.AdamW(model.parameters(), lr=0.1)
+    mesh = hsdp_mesh(rank_device(), replicate=world_size, shard=1) if kind == "hsdp" else None
+    wrap_module_fsdp(model, device=rank_device(), mesh=mesh)
+    before = _full(model)
+    x = torch.randn(3, 4, device=rank_device())
+    model(x).sum().backward()
+    errors = []
+    for _ in range(2):  # refused at every step, not only the first
+        try:
+            early.step()
+        except RuntimeError as error:
+            errors.append(str(error))
+    unchanged = all(torch.equal(before[n], t) for n, t in _full(model).items())
+    late = torch.optim.AdamW(model.parameters(), lr=0.1)
+    late.step()
+    trained = sum(not torch.equal(before[n], t) for n, t in _full(model).items())
+    other = torch.nn.Parameter(torch.ones(2))
+    other.grad = torch.ones(2)
+    torch.optim.SGD([other], lr=0.5).step()
+    return {
+        "errors": errors,
+        "unchanged": unchanged,
+        "early_state": len(early.state),
+        "trained": trained,
+        "parameters": len(before),
+        "other": other.detach().tolist(),
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -165,4 +166,18 @@ def _sharded_checks(rank: int, rng_before: torch.Tensor) -> dict[str, Any]:
         build_sharded_model(_fails_on_rank0, PARAMS, seed=3, source="rank0", **build)
     except Exception as error:
         out["sharded_rank0_failure"] = f"{type(error).__name__}: {error}"
+
+    def fails_on_rank1(model: nn.Module) -> nn.Module:
+        if rank == 1:
+            raise ValueError("shard failed on rank 1")
+        return _shard(model)
+
+    started = time.monotonic()
+    try:  # rank 0 would wait in the stream's first broadcast until the group's timeout
+        build_sharded_model(
+            ToyNet, PARAMS, seed=3, source="rank0", **{**build, "shard": fails_on_rank1}
+        )
+    except Exception as error:
+        out["sharded_wrap_failure"] = f"{type(error).__name__}: {error}"
+    out["sharded_wrap_failure_s"] = time.monotonic() - started
     return out

@@ -469,3 +469,84 @@ def test_sigterm_on_one_rank_saves_on_every_rank_and_exits_0(two_ranks: Any) -> 
     for rank in results:
         assert rank["sigterm"] == (0, 5, "step-5")  # rank 1 got it after step 5; not a multiple
         assert rank["handler_restored"] is True
+
+
+def test_staged_dtensor_stays_on_the_host_on_a_cuda_mesh() -> None:
+    """What a background save hands DCP is on the host, whatever the mesh's device type.
+
+    A DTensor over a CUDA mesh (built without a backend, so this runs on a CPU-only build):
+    ``DTensor.from_local`` would move the staged shard to the mesh's device, i.e. a second
+    device copy of the state on a GPU (here: "Torch not compiled with CUDA enabled").
+    """
+    code = """
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from checkpoint_io._staging import require_host_only, stage
+
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+mesh = DeviceMesh("cuda", [0, 1], _init_backend=False)
+spec = DTensorSpec(mesh, (Shard(0),), TensorMeta(torch.Size([4, 3]), (3, 1), torch.float32))
+shard = DTensor(torch.arange(6.0).view(2, 3), spec, requires_grad=False)
+staged = stage({"model": {"w": shard}, "optimizer": {"state": {"w": {"exp_avg": [shard]}}}})
+for value in (staged["model"]["w"], staged["optimizer"]["state"]["w"]["exp_avg"][0]):
+    assert isinstance(value, DTensor) and value.device_mesh.device_type == "cuda"
+    assert value._local_tensor.device.type == "cpu"
+    assert value._local_tensor.data_ptr() != shard._local_tensor.data_ptr()
+    assert torch.equal(value._local_tensor, shard._local_tensor)
+    assert value.placements == (Shard(0),) and value.shape == (4, 3)
+try:
+    require_host_only({"a": [torch.empty(1, device="meta")]})
+except RuntimeError as error:
+    assert "state['a'][0] on meta" in str(error), error
+else:
+    raise AssertionError("a device tensor passed the host-only check")
+print("ok")
+"""
+    from dist_harness import fresh_interpreter
+
+    assert fresh_interpreter(code).strip().endswith("ok")
+
+
+def test_the_writer_writes_on_this_ranks_device(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """DCP's writer thread starts on device 0; the writer enters the rank's device around it.
+
+    A real DCP save from another thread (as a background save runs), with a fake accelerator
+    whose current device the planner reads while DCP resolves the data it writes.
+    """
+    import threading
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from checkpoint_io._digest import HashingWriter
+    from fake_accelerator import FakeAccelerator, patch_device_module
+
+    fake = FakeAccelerator(4)
+    patch_device_module(monkeypatch, lambda kind: fake)
+    seen: list[int] = []
+
+    class Recording(DefaultSavePlanner):
+        def resolve_data(self, write_item: Any) -> Any:
+            seen.append(fake.current)
+            return super().resolve_data(write_item)
+
+    def save(device: torch.device | None, folder: Path) -> None:
+        writer = HashingWriter(folder, device=device)
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({"w": torch.ones(3)}, storage_writer=writer, planner=Recording(), no_dist=True)
+
+    for device, expected in ((torch.device("cuda", 3), 3), (None, 0)):
+        seen.clear()
+        thread = threading.Thread(target=save, args=(device, tmp_path / str(expected)))
+        thread.start()
+        thread.join()
+        assert seen and set(seen) == {expected}, (device, seen)
+    assert fake.current == 0

@@ -198,3 +198,58 @@ def test_require_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
         "collectives stage their buffers on the current device, so call "
         "torch.cuda.set_device(3) first"
     )
+
+
+class _FakeAllocator:
+    """The CUDA allocator's counters for one device: what MemoryPeak reads and resets."""
+
+    def __init__(self) -> None:
+        self.allocated = 0
+        self.peak = 0
+
+    def alloc(self, size: int) -> None:
+        self.allocated += size
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, size: int) -> None:
+        self.allocated -= size
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        def reset(_device: object = None) -> None:
+            self.peak = self.allocated
+
+        for name, value in {
+            "synchronize": lambda _device=None: None,
+            "reset_peak_memory_stats": reset,
+            "memory_allocated": lambda _device=None: self.allocated,
+            "memory_reserved": lambda _device=None: self.allocated,
+            "max_memory_allocated": lambda _device=None: self.peak,
+            "max_memory_reserved": lambda _device=None: self.peak,
+            "current_device": lambda: 0,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_nested_memory_peaks_do_not_erase_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An outer reading sees the peak of every nested stage, not only the last one's."""
+    from dist_core import MemoryPeak
+
+    allocator = _FakeAllocator()
+    allocator.install(monkeypatch)
+    device = torch.device("cuda", 0)
+    allocator.alloc(100)
+    with MemoryPeak(device, host=False) as outer:
+        with MemoryPeak(device, host=False) as first:  # a stage that peaks at 300
+            allocator.alloc(200)
+            allocator.free(200)
+        with MemoryPeak(device, host=False) as second:  # a later, smaller stage
+            with MemoryPeak(device, host=False) as inner:
+                allocator.alloc(50)
+            allocator.free(50)
+        allocator.alloc(10)
+    assert (outer.device_start, outer.device_peak) == (100, 300)
+    assert (first.device_peak, second.device_peak, inner.device_peak) == (300, 150, 150)
+    assert outer.device_reserved_peak == 300
+    with MemoryPeak(device, host=False) as after:  # closed readings are no longer updated
+        allocator.alloc(1000)
+    assert after.device_peak == 1110 and outer.device_peak == 300

@@ -237,3 +237,20 @@ def test_two_ranks_shard_and_synchronise(variant: tuple[str, int]) -> None:
     for name, grad in r0["grads"].items():
         mean = (torch.tensor(r0["local_grads"][name]) + torch.tensor(r1["local_grads"][name])) / 2
         assert torch.allclose(torch.tensor(grad), mean), name
+    # An optimizer made before the wrap (FSDP and HSDP): refused at every step, naming the
+    # cause and the fix, before any weight changed; one made after trains every parameter.
+    for r in (r0, r1):
+        for kind, stale in r["stale"].items():
+            assert len(stale["errors"]) == 2, kind
+            n = stale["parameters"]
+            assert stale["errors"][0].startswith(
+                f"AdamW was created before the model was sharded: it holds {n} of its {n} "
+                "parameter(s) that wrap_module_fsdp replaced"
+            ), (kind, stale["errors"][0])
+            assert (
+                "Create the optimizer after the wrap, from model.parameters()"
+                in (stale["errors"][0])
+            )
+            assert stale["unchanged"] and stale["early_state"] == 0, kind
+            assert stale["trained"] == n, kind
+            assert stale["other"] == [0.5, 0.5], kind

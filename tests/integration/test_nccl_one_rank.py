@@ -5,7 +5,7 @@ to the device, collectives over one rank on CUDA tensors (object collectives, br
 DDP's all-reduce) and every package's CUDA code path; it does not exercise NCCL's all-gather
 or reduce-scatter between ranks (FSDP2 issues no collective at world size 1) or any byte
 moved between GPUs: those need a host with 2 or more GPUs, where the two-rank NCCL variants
-of each package's tests run (``pytest tests -k nccl``).
+of each package's tests run (``pytest tests -m nccl``).
 Each worker's result is checked with the assertions of its two-rank test that do not depend
 on the world size, adapted to one rank: a collective over one rank is the identity, so the
 synchronised gradients are the rank's own, every shard is the whole tensor, a rank-dependent
@@ -311,6 +311,7 @@ def _run_one_rank(module: str, name: str, backend: str, tmp_path: Path) -> Resul
 
 
 @pytest.mark.multiprocess
+@pytest.mark.nccl
 @pytest.mark.skipif(cuda_count() < 1, reason="1-rank NCCL run: needs a CUDA device, none visible")
 @pytest.mark.parametrize(("module", "name", "check"), WORKERS, ids=IDS)
 def test_one_rank_nccl(module: str, name: str, check: Check, tmp_path: Path) -> None:

@@ -103,3 +103,12 @@ def test_sharded_verification_names_a_flipped_bit(ranks: list[dict[str, Any]]) -
 def test_sharded_rank0_failure_reaches_every_rank(ranks: list[dict[str, Any]]) -> None:
     assert ranks[0]["sharded_rank0_failure"] == "ValueError: constructor failed on rank 0"
     assert ranks[1]["sharded_rank0_failure"].startswith("RuntimeError: ranks [0] failed")
+
+
+def test_sharded_wrap_failure_reaches_every_rank(ranks: list[dict[str, Any]]) -> None:
+    """A rank that fails to shard is named on every rank, before the stream's broadcast."""
+    assert ranks[1]["sharded_wrap_failure"] == "ValueError: shard failed on rank 1"
+    assert ranks[0]["sharded_wrap_failure"] == (
+        "RuntimeError: sharding the model failed on rank(s) [1]; rank 1: shard failed on rank 1"
+    )
+    assert all(r["sharded_wrap_failure_s"] < 30 for r in ranks)  # not the group's 60 s timeout

@@ -24,7 +24,11 @@ def test_budget_is_kept_and_each_step_is_recorded(tmp_path: Path) -> None:
     assert summary["budget_s"] == 16 and summary["device"] == "cpu"
     assert summary["total_s"] <= 16 + 2
     assert not summary["ok"]
+    assert done.stdout.startswith("== plan: probe:"), done.stdout[:200]  # the plan comes first
+    # The caps fit the default budget (400 s less the 10 s reserve): a healthy device ends ok.
+    assert summary["planned_s"] == sum(summary["caps_s"].values()) <= 400 - 10
     names = [s["name"] for s in summary["steps"]]
+    assert names == list(summary["caps_s"])
     assert names == [
         "probe",
         "tests",

@@ -81,3 +81,33 @@ def test_hsdp_keeps_all_but_the_replicas_all_reduce_inside_the_node(tmp_path: Pa
         assert fsdp["intra_node"] == 0 and fsdp["inter_node"] > 0
         assert 0 < hsdp["inter_node"] * 8 <= fsdp["inter_node"], (world, hsdp, fsdp)
         assert hsdp["intra_node"] > 0
+
+
+def test_comm_bytes_by_dtype_and_the_verdict_flag() -> None:
+    """bf16 all-gathers and fp32 reduce-scatters where configured; fp32 for both by default;
+    the report flags a row whose configured dtype is not what travelled."""
+    from strategy_bench.estimate._estimate import EstimateOptions, EstimatePoint, estimate_point
+    from strategy_bench.report._report import dtype_mismatches
+    from strategy_bench.workload import WorkloadSpec
+
+    spec = WorkloadSpec(preset="tiny")
+    options = EstimateOptions(batch_size=1)
+    rows = {}
+    for name, knobs in (("plain", {}), ("mixed", {"param_dtype": "bf16", "reduce_dtype": "fp32"})):
+        row = estimate_point(spec, EstimatePoint(0, "fsdp", knobs, 2), options)
+        assert row["status"] == "ok", row
+        rows[name] = row
+    plain, mixed = (rows[n]["comm_bytes_by_dtype"] for n in ("plain", "mixed"))
+    assert set(plain) == {"all_gather", "reduce_scatter"}, plain
+    assert list(plain["all_gather"]) == ["fp32"] and list(plain["reduce_scatter"]) == ["fp32"]
+    assert list(mixed["all_gather"]) == ["bf16"] and list(mixed["reduce_scatter"]) == ["fp32"]
+    assert mixed["all_gather"]["bf16"] * 2 == plain["all_gather"]["fp32"]  # half the bytes
+    assert sum(plain["all_gather"].values()) == rows["plain"]["comm_bytes_per_step"]["all_gather"]
+    assert dtype_mismatches(rows["plain"]) == dtype_mismatches(rows["mixed"]) == []
+    # A row configured bf16 whose all-gather still moved fp32 (torchtitan issue 3123's case).
+    wrong = {**rows["plain"], "knobs": {"param_dtype": "bf16"}}
+    (line,) = [m for m in dtype_mismatches(wrong) if "all_gather" in m]
+    assert line.startswith("fsdp tiny param_dtype=bf16: all_gather moved fp32 ")
+    assert "where the configuration says bf16" in line
+    ddp = estimate_point(spec, EstimatePoint(0, "ddp", {}, 2), options)
+    assert list(ddp["comm_bytes_by_dtype"]["all_reduce"]) == ["fp32"]

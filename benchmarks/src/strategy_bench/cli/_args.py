@@ -70,7 +70,17 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=3600.0,
         metavar="SECONDS",
-        help="end the whole run after this (default 3600)",
+        help="end the whole run after this, killing a point in progress (default 3600)",
+    )
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=(
+            "end cleanly: start no point that would end past this, listing it as skipped "
+            "(a point's cost is its model's previous point's; default: run: none, sweep: 900)"
+        ),
     )
 
 

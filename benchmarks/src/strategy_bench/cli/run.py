@@ -118,9 +118,6 @@ def plan_run(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         extra["memory_budget"] = (
             None if args.memory_budget is None else parse_memory(args.memory_budget)
         )
-        budget: float | None = args.time_budget
-        if budget is not None and budget <= 0:
-            raise BenchUsageError(f"--time-budget must be positive seconds, got {budget}")
         if args.max_points is not None and args.max_points < 1:
             raise BenchUsageError(f"--max-points must be >= 1, got {args.max_points}")
     else:
@@ -129,7 +126,9 @@ def plan_run(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
             for index in range(len(workloads))
             for strategy in _run_strategies(args.strategies, world)
         ]
-        budget = None
+    budget: float | None = args.time_budget
+    if budget is not None and budget <= 0:
+        raise BenchUsageError(f"--time-budget must be positive seconds, got {budget}")
     prior = check_out(args.out, overwrite=args.overwrite, resume=args.resume)
     done = done_keys(prior)
     configs = [c for c in configs if point_key(c.describe(workloads)) not in done]

@@ -11,13 +11,7 @@ from strategy_bench.cli._args import add_run_arguments
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``sweep``'s arguments: the shared run group, the budgets and the knobs."""
     add_run_arguments(parser)
-    parser.add_argument(
-        "--time-budget",
-        type=float,
-        default=900.0,
-        metavar="SECONDS",
-        help="stop measuring new points once this would be exceeded (default 900)",
-    )
+    parser.set_defaults(time_budget=900.0)
     parser.add_argument(
         "--max-points",
         type=int,

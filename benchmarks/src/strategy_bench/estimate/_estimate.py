@@ -36,6 +36,7 @@ from strategy_bench.measure import (
     account,
     autocast,
     ddp_bucket_bytes,
+    dtype_name,
     local_bytes,
     parameter_counts,
 )
@@ -271,8 +272,16 @@ def _ddp_communication(model: nn.Module) -> dict[str, Any]:
     number of all-reduce calls depends on the buckets DDP builds at run time and is left
     out (``None``).
     """
-    trainable = local_bytes(p for p in model.parameters() if p.requires_grad)
-    return {"comm_bytes_per_step": {"all_reduce": trainable}, "comm_calls_per_step": None}
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    by_dtype: dict[str, int] = {}
+    for param in trainable:  # DDP all-reduces each gradient in its parameter's dtype
+        name = dtype_name(param.dtype)
+        by_dtype[name] = by_dtype.get(name, 0) + local_bytes([param])
+    return {
+        "comm_bytes_per_step": {"all_reduce": local_bytes(trainable)},
+        "comm_calls_per_step": None,
+        "comm_bytes_by_dtype": {"all_reduce": by_dtype},
+    }
 
 
 def run_estimate(

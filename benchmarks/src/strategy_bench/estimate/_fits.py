@@ -10,24 +10,27 @@ from typing import Any
 from strategy_bench._errors import BenchUsageError
 
 DATASHEET_MEMORY_GIB: dict[str, float] = {
-    "B200": 180.0,
-    "H200": 141.0,
-    "H100": 80.0,
-    "A100-80GB": 80.0,
-    "A100-40GB": 40.0,
-    "L40S": 48.0,
-    "A10G": 24.0,
-    "L4": 24.0,
+    "B200": 178.4,
+    "H200": 139.8,
+    "H100": 79.2,
+    "A100-80GB": 79.2,
+    "A100-40GB": 39.4,
+    "L40S": 44.4,
+    "A10G": 22.0,
+    "L4": 22.0,
 }
-"""Memory per GPU from the vendors' datasheets (what ``--gpu NAME`` reads), beside the FLOPs
-table (``strategy_bench.measure._flops.DATASHEET_TFLOPS``). The datasheets' "GB" is taken as
-GiB: an H100's 80 GB is 79.6 GiB as CUDA reports it, an H200's 141 GB 140.4 GiB; the reserve
-below covers the difference."""
+"""Memory per GPU as CUDA reports it (``torch.cuda.get_device_properties(i).total_memory``, in
+GiB), what ``--gpu NAME`` reads, beside the FLOPs table
+(``strategy_bench.measure._flops.DATASHEET_TFLOPS``). Not the datasheets' figures: an H200's
+"141 GB" is about 139.8 GiB to CUDA, an H100's "80 GB" 79.2 GiB, and a table of datasheet
+figures made ``fits`` 1-2 GiB optimistic. The H200's figure was read on this project's lent
+H200 ("about 139 GiB"); the others are the capacities those cards report, rounded down to
+0.1 GiB. Pass ``--device-memory`` for a card not listed or a figure of your own."""
 
 DEVICE_RESERVE_BYTES = 2 * 2**30
-"""Taken off every device's memory before a rank's peak is compared with it: the CUDA context
-(about 0.5-1 GiB with torch's kernels loaded) and NCCL's communication buffers (a few hundred
-MiB per communicator), which no tensor estimate sees."""
+"""Taken off every device's memory (as CUDA reports it) before a rank's peak is compared with
+it: the CUDA context (about 0.5-1 GiB with torch's kernels loaded) and NCCL's communication
+buffers (a few hundred MiB per communicator), which no tensor estimate sees."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,9 +43,11 @@ def configure_logging() -> None:
 def run_rank(plan: Plan, *, rank: int, world_size: int, local_rank: int, init_method: str) -> None:
     """Initialize the process group, measure every point of ``plan``, write results on rank 0."""
     device = _device(plan.device, local_rank)
-    if device.type == "cpu":
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    # The host's cores shared among this host's ranks, GPU ranks too: their host-side work
+    # (the host build, the deep copies before the wraps) would otherwise run cores x ranks
+    # threads.
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(
         plan.backend,

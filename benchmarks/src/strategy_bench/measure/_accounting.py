@@ -46,7 +46,8 @@ class CommBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
     backward. ``bytes`` maps ``all_reduce`` / ``all_gather`` / ``reduce_scatter`` /
     ``broadcast`` to bytes; ``calls`` to the number of collectives; ``by_group`` the same
     bytes per process group (HSDP's shard and replicate groups; ``None`` when the op names
-    none).
+    none); ``by_dtype`` the same bytes by the dtype that travelled (:func:`dtype_name`), so
+    that a bf16 all-gather that still moves fp32 shows.
     """
 
     def __init__(self) -> None:
@@ -54,6 +55,7 @@ class CommBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
         self.by_group: dict[dist.ProcessGroup | None, dict[str, int]] = {}
+        self.by_dtype: dict[str, dict[str, int]] = {}
 
     def __torch_dispatch__(
         self,
@@ -74,7 +76,27 @@ class CommBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.calls[name] += 1
                 group = self.by_group.setdefault(collective_group(func, args), {})
                 group[name] = group.get(name, 0) + size
+                dtypes = self.by_dtype.setdefault(name, {})
+                for dtype, part in _bytes_by_dtype(data).items():
+                    dtypes[dtype] = dtypes.get(dtype, 0) + part
         return out
+
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``fp32``, ``bf16``, ``fp16`` (the knobs' spelling), else torch's name (``uint8``)."""
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def _bytes_by_dtype(data: Any) -> dict[str, int]:
+    found: dict[str, int] = {}
+    for tensor in tree_leaves(data):
+        if isinstance(tensor, torch.Tensor):
+            name = dtype_name(tensor.dtype)
+            found[name] = found.get(name, 0) + int(tensor.numel() * tensor.element_size())
+    return found
 
 
 def _nbytes(data: Any) -> int:
@@ -235,7 +257,8 @@ def account(
 
     Returns:
         ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``ddp_bucket_bytes``,
-        ``activation_peak_bytes``, ``comm_bytes_per_step``, ``comm_calls_per_step``, and
+        ``activation_peak_bytes``, ``comm_bytes_per_step``, ``comm_calls_per_step``,
+        ``comm_bytes_by_dtype`` (per collective, the bytes of each dtype that travelled), and
         the tracked step's ``tracked_peak_bytes`` (``tracked_entry_bytes``: what it started
         from), ``peak_phase``, ``peak_parts_bytes``
         (``model``: parameters, buffers and inputs; ``optimizer``; ``fsdp_gathered``;
@@ -287,6 +310,7 @@ def account(
         "comm_bytes_per_step": dict(comm.bytes),
         "comm_calls_per_step": dict(comm.calls),
         "comm_bytes_by_dim": bytes_by_dim(model, comm.by_group),
+        "comm_bytes_by_dtype": {kind: dict(sizes) for kind, sizes in comm.by_dtype.items()},
         "comm_groups": group_ranks(model, comm.by_group),
     }
     optimizer.zero_grad(set_to_none=True)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
 
 from distributed_strategy import (
     PendingCheckpoint,
@@ -134,7 +135,13 @@ DISK_FACTOR = 2.5
 
 
 def _state_bytes(wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """This rank's parameters, buffers and optimizer state, as stored here."""
+    """What DCP writes of this rank's parameters, buffers and optimizer state.
+
+    DCP writes a replicated tensor once: a plain tensor (DDP's replica, a buffer) is
+    counted on rank 0 only, a ``DTensor``'s shard only on the ranks at coordinate 0 of each
+    dimension it is replicated over (HSDP's first replica). Summed over the ranks, the bytes
+    of one checkpoint.
+    """
     tensors = [*wrapped.parameters(), *wrapped.buffers()]
     tensors += [
         value
@@ -142,4 +149,16 @@ def _state_bytes(wrapped: nn.Module, optimizer: torch.optim.Optimizer) -> int:
         for value in state.values()
         if isinstance(value, torch.Tensor)
     ]
-    return local_bytes(tensors)
+    return local_bytes(t for t in tensors if _writes(t))
+
+
+def _writes(tensor: torch.Tensor) -> bool:
+    """Whether this rank writes ``tensor`` (its shard) in a DCP checkpoint."""
+    if not isinstance(tensor, DTensor):
+        return dist.get_rank() == 0
+    coordinate = list(tensor.device_mesh.get_coordinate() or ())
+    return all(
+        index == 0
+        for index, placement in zip(coordinate, tensor.placements, strict=True)
+        if placement.is_replicate()
+    )

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 import types
 
 import torch
 
-from distributed_strategy import current_rss
+from distributed_strategy import MemoryPeak
 
 
 def memory_reached(device: torch.device) -> int | None:
@@ -26,11 +25,11 @@ def memory_reached(device: torch.device) -> int | None:
 
 
 class PeakMemory:
-    """Context manager measuring peak memory while the block runs.
+    """Context manager measuring peak memory while the block runs (dist-core's ``MemoryPeak``).
 
-    On a CUDA device: ``torch.cuda.max_memory_allocated`` (``peak``) and
-    ``max_memory_reserved`` (``reserved``: what the caching allocator held from the device,
-    fragmentation included) after resetting both peaks on entry. Neither counts the CUDA
+    On a CUDA device: the allocator's peak of allocated bytes (``peak``) and of reserved bytes
+    (``reserved``: what the caching allocator held from the device, fragmentation included)
+    while the block ran; nested readings do not erase each other. Neither counts the CUDA
     context or NCCL's buffers. On CPU: the largest resident set size sampled every
     ``interval`` seconds by a background thread (and at both ends), so it includes everything
     the process holds; ``reserved`` is the same figure.
@@ -43,22 +42,15 @@ class PeakMemory:
 
     def __init__(self, device: torch.device, *, interval: float = 0.002) -> None:
         self.device = device
-        self.interval = interval
         self.peak = 0
         self.reserved = 0
         self.start = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._cuda = device.type == "cuda"
+        self._reading = MemoryPeak(device, interval=interval, host=not self._cuda)
 
     def __enter__(self) -> PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.start = torch.cuda.memory_allocated(self.device)
-            return self
-        self.start = self.peak = current_rss()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        self._reading.__enter__()
+        self.start = self._reading.device_start if self._cuda else self._reading.host_start
         return self
 
     def __exit__(
@@ -67,16 +59,9 @@ class PeakMemory:
         exc: BaseException | None,
         tb: types.TracebackType | None,
     ) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-            self.reserved = torch.cuda.max_memory_reserved(self.device)
-            return
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-        self.peak = self.reserved = max(self.peak, current_rss())
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, current_rss())
+        self._reading.__exit__(exc_type, exc, tb)
+        if self._cuda:
+            self.peak = self._reading.device_peak
+            self.reserved = self._reading.device_reserved_peak
+        else:
+            self.peak = self.reserved = self._reading.host_peak

@@ -52,16 +52,8 @@ def measure(
     point = _Point(workload, strategy, knobs, options, device, index)
     out: dict[str, Any] = {"rank": dist.get_rank()}
     model = _build(point, out)
-    groups: list[dist.ProcessGroup] = []
-    try:
-        _wrap(point, model, out, groups)
-        _steps(point, model, out)
-    finally:
-        # The cold wraps' groups live until the point is done: DeviceMesh keeps meshes by
-        # their ranks, so a mesh built later for the same ranks may be one of them (torch
-        # 2.13); destroying them earlier breaks that mesh's DTensor collectives.
-        for group in groups:  # without this, a sweep under torchrun piles up communicators
-            dist.destroy_process_group(group)
+    _wrap(point, model, out)
+    _steps(point, model, out)
     del model
     gc.collect()
     if device.type == "cuda":
@@ -174,13 +166,13 @@ def _count_flops(point: _Point) -> float | None:
 _CPU = torch.device("cpu")
 
 
-def _wrap(
-    point: _Point, model: nn.Module, out: dict[str, Any], groups: list[dist.ProcessGroup]
-) -> None:
+def _wrap(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
     """Time our wrapper against raw torch on copies of ``model``: cold, then warm.
 
-    Each cold wrap creates a new process group inside its timing and appends it to
-    ``groups`` (the caller destroys them).
+    Each cold wrap creates new process groups inside its timing and destroys them right
+    after its wrap (with the wrapped copy): an NCCL communicator per group, up to 6 per point
+    and 2 more per HSDP cold wrap, would otherwise hold buffers outside every peak figure
+    through the timed steps and the checkpoint cost.
     """
     strategy, knobs, device = point.strategy, point.knobs, point.device
 
@@ -189,14 +181,21 @@ def _wrap(
         gc.collect()  # the previous wrapper's reference cycles must not be freed in the timing
         fresh = [copy.deepcopy(model)]  # a list, so that the copy is freed with it
 
+        made: list[dist.ProcessGroup] = []
+
         def run() -> None:
             group = None
             if cold:  # the group's setup (NCCL communicator included) is part of a cold wrap
                 group = dist.new_group()
-                groups.append(group)
-            wrap(strategy, fresh.pop(), device, knobs, group, made=groups)
+                made.append(group)
+            wrap(strategy, fresh.pop(), device, knobs, group, made=made)
 
-        elapsed, _ = timed_ms(run, device)
+        try:
+            elapsed, _ = timed_ms(run, device)
+        finally:
+            gc.collect()  # the wrapped copy (FSDP's in reference cycles) before its groups
+            for group in made:
+                dist.destroy_process_group(group)
         return elapsed
 
     # Cold: alternating which goes first (raw, ours, ours, raw, ...), each on a new group.

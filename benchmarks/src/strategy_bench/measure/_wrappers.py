@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 from collections.abc import Mapping
@@ -122,7 +123,8 @@ def _ddp_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
     return {"broadcast_buffers": False, **knobs}
 
 
-_HSDP_MESHES: dict[tuple[Any, str, tuple[int, int]], DeviceMesh] = {}
+_MESHES: dict[tuple[Any, str, tuple[int, ...]], DeviceMesh] = {}
+_COLD_MESHES = itertools.count()
 
 
 def _mesh(
@@ -134,24 +136,38 @@ def _mesh(
 ) -> DeviceMesh:
     """FSDP's 1-D mesh over ``group`` (default: the world), or HSDP's 2-D one.
 
-    The run's HSDP mesh is built once per default group (its subgroups are kept), except for a
-    cold wrap (``group`` given), whose timing includes building a mesh of new subgroups; those
-    are appended to ``made``. A ``shape`` given (the estimate's, one fake group per point) is
-    built each time.
+    The run's mesh is built once per default group, strategy and shape, and kept: where the
+    default group has no backend for the device type (CPU wraps on a CUDA host),
+    ``init_device_mesh`` would make a new group for every wrap. A cold wrap (``group`` given)
+    times building a mesh of its own, named ``coldN`` (HSDP: ``coldN_replicate``,
+    ``coldN_shard``), whose new subgroups are appended to ``made`` for the caller to destroy
+    right after the wrap. The name keeps it apart: torch (2.13) compares meshes by ranks,
+    layout, device type and names, not by their groups, so an unnamed cold mesh equal to the
+    run's could reach the run's DTensors through torch's caches and, once its group is
+    destroyed, break their collectives. A ``shape`` given (the estimate's, one fake group per
+    point) is built each time.
     """
-    if strategy == "hsdp":
-        if shape is not None:
-            return hsdp_mesh(device, replicate=shape[0], shard=shape[1])
-        shape = hsdp_shape(dist.get_world_size())
-        if group is not None:
-            cold = hsdp_mesh(device, replicate=shape[0], shard=shape[1])
-            if made is not None:
-                made += [cold.get_group(0), cold.get_group(1)]
-            return cold
-        key = (dist.distributed_c10d._get_default_group(), device.type, shape)
-        if key not in _HSDP_MESHES:
-            _HSDP_MESHES[key] = hsdp_mesh(device, replicate=shape[0], shard=shape[1])
-        return _HSDP_MESHES[key]
-    if group is None:
-        return init_device_mesh(device.type, (dist.get_world_size(),))
-    return DeviceMesh.from_group(group, device.type)
+    if strategy == "hsdp" and shape is not None:
+        return hsdp_mesh(device, replicate=shape[0], shard=shape[1])
+    if group is not None:
+        name = f"cold{next(_COLD_MESHES)}"
+        if strategy != "hsdp":
+            return DeviceMesh.from_group(group, device.type, mesh_dim_names=(name,))
+        cold = init_device_mesh(
+            device.type,
+            hsdp_shape(dist.get_world_size()),
+            mesh_dim_names=(f"{name}_replicate", f"{name}_shard"),
+        )
+        if made is not None:
+            made += [cold.get_group(0), cold.get_group(1)]
+        return cold
+    hsdp = hsdp_shape(dist.get_world_size()) if strategy == "hsdp" else None
+    size: tuple[int, ...] = hsdp or (dist.get_world_size(),)
+    key = (dist.distributed_c10d._get_default_group(), device.type, size)
+    if key not in _MESHES:
+        _MESHES[key] = (
+            init_device_mesh(device.type, size)
+            if hsdp is None
+            else hsdp_mesh(device, replicate=hsdp[0], shard=hsdp[1])
+        )
+    return _MESHES[key]

@@ -70,6 +70,17 @@ def write_report(
     if env.get("world_size") == 1:
         lines += [ONE_RANK_NOTE, ""]
     lines += _verdicts(rows) or ["No model was measured under both DDP and FSDP."]
+    mismatches = [line for row in measured for line in dtype_mismatches(row)]
+    lines += [
+        "",
+        "Communication dtypes: "
+        + (
+            "every collective moved the configured dtype."
+            if not mismatches
+            else "NOT as configured:"
+        ),
+    ]
+    lines += [f"- {line}" for line in mismatches]
     if recommendation is not None:
         lines += ["", "## Recommendation", "", "```text", recommendation, "```"]
     lines += ["", "## Plots", ""]
@@ -102,8 +113,9 @@ def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             f"{row[key] / _MIB:.1f}" if row.get(key) is not None else "-"
             for key in (f"{kind}_bytes" for kind in MEMORY_KINDS)
         )
+        dtypes = row.get("comm_bytes_by_dtype") or {}
         comm = ", ".join(
-            f"{kind} {value / _MIB:.2f}"
+            f"{kind} {value / _MIB:.2f}" + _dtype_text(dtypes.get(kind))
             for kind, value in sorted((row.get("comm_bytes_per_step") or {}).items())
         )
         ckpt = (
@@ -121,6 +133,50 @@ def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             f"({row['step_ms_p10']:.1f}-{row['step_ms_p90']:.1f}) | {row['samples_per_s']:.1f} | "
             f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {memory} | {comm or '-'} | {ckpt} |"
         )
+    return lines
+
+
+def _dtype_text(sizes: Mapping[str, int] | None) -> str:
+    """`` bf16`` for one dtype, `` (bf16 0.90, fp32 0.10)`` in MiB for several."""
+    if not sizes:
+        return ""
+    if len(sizes) == 1:
+        return f" {next(iter(sizes))}"
+    return " (" + ", ".join(f"{d} {b / _MIB:.2f}" for d, b in sorted(sizes.items())) + ")"
+
+
+def expected_dtypes(row: Mapping[str, Any]) -> dict[str, str]:
+    """The dtype each collective should move under the row's configuration.
+
+    FSDP/HSDP: all-gathers in ``param_dtype`` (else the parameters' fp32), reduce-scatters and
+    HSDP's replica all-reduce in ``reduce_dtype`` (else ``param_dtype``, else fp32). DDP: its
+    all-reduce in the gradients' fp32 (the bench builds fp32 parameters; ``--dtype`` is the
+    autocast compute dtype, which no collective moves).
+    """
+    knobs = row.get("knobs") or {}
+    if row.get("strategy") == "ddp":
+        return {"all_reduce": "fp32"}
+    param = str(knobs.get("param_dtype") or "fp32")
+    reduce = str(knobs.get("reduce_dtype") or knobs.get("param_dtype") or "fp32")
+    return {"all_gather": param, "reduce_scatter": reduce, "all_reduce": reduce}
+
+
+def dtype_mismatches(row: Mapping[str, Any]) -> list[str]:
+    """One line per collective that moved another dtype than the row's configuration says."""
+    lines = []
+    for kind, want in expected_dtypes(row).items():
+        sizes = (row.get("comm_bytes_by_dtype") or {}).get(kind) or {}
+        other = {dtype: size for dtype, size in sizes.items() if dtype != want and size}
+        if other:
+            moved = ", ".join(f"{d} {b / _MIB:.2f} MiB" for d, b in sorted(other.items()))
+            what = f"{row['strategy']} {row['model']}"
+            if row.get("knobs"):
+                what += f" {knob_text(row['knobs'])}"
+            lines.append(
+                f"{what}: {kind} moved {moved} of {sum(sizes.values()) / _MIB:.2f} MiB, where "
+                f"the configuration says {want}; the dtype you configured is not what travels "
+                "(check the wrap's mixed-precision policy)"
+            )
     return lines
 
 

@@ -186,6 +186,7 @@ def merge_ranks(
         "comm_bytes_per_step": per_rank[0]["comm_bytes_per_step"],
         "comm_calls_per_step": per_rank[0]["comm_calls_per_step"],
         "comm_bytes_by_dim": per_rank[0].get("comm_bytes_by_dim"),
+        "comm_bytes_by_dtype": per_rank[0].get("comm_bytes_by_dtype"),
         "flops_per_sample": flops_per_sample,
         "analytic_flops_per_sample": analytic_flops_per_sample,
         "achieved_flops_per_rank": achieved,

@@ -94,7 +94,7 @@ def start_async_save(
     state = collect_state(model, optimizer, stateful)
     manifest = new_manifest(model, optimizer, step, extra, stateful, rng)
     group = gloo_group("background")
-    writer = HashingWriter(partial)
+    writer = HashingWriter(partial, device=_state.model_device(model), host_only=True)
     staged: dict[str, Any] = {}
     failure: BaseException | None = None
     rng_state = None

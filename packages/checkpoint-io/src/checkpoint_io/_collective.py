@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from checkpoint_io._compat import default_group_timeout
 from checkpoint_io._errors import CheckpointError
+from dist_core import agree as _agree
 from dist_core import is_distributed, rank
 
 _T = TypeVar("_T")
@@ -23,7 +24,7 @@ def agree(
     *,
     share: Any = None,
 ) -> list[Any]:
-    """Raise on every rank if ``error`` happened on any rank (collective over ``group``).
+    """dist-core's ``agree`` with checkpoint-io's error types.
 
     The failing rank re-raises its own error; the others raise the same type
     (``FileNotFoundError``, ``FileExistsError`` or :class:`CheckpointError`) naming that rank.
@@ -31,23 +32,10 @@ def agree(
     Returns:
         Every rank's ``share``, by rank (gathered in the same collective).
     """
-    if not is_distributed():
-        if error is not None:
-            raise error
-        return [share]
-    report = None if error is None else (type(error).__name__, str(error))
-    reports: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, (report, share), group=group)
-    if error is not None:
-        raise error
-    failed = [(r, rep) for r, (rep, _) in enumerate(reports) if rep is not None]
-    if failed:
-        first, (kind, message) = failed[0]
-        others = {"FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError}
-        raise others.get(kind, CheckpointError)(
-            f"{what} failed on rank(s) {[r for r, _ in failed]}; rank {first}: {message}"
-        )
-    return [shared for _, shared in reports]
+    return _agree(error, what, group, share=share, kinds=_KINDS, default=CheckpointError)
+
+
+_KINDS = {"FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError}
 
 
 def from_rank0(value: _T, group: dist.ProcessGroup | None = None) -> _T:

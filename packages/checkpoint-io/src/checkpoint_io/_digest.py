@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from checkpoint_io._errors import CheckpointError
+from dist_core import on_device
 
 ALGORITHM = "wsum64"
 _BLOCK = 64 << 10  # bytes summed together; the blocks' sums are weighted by position
@@ -82,11 +84,26 @@ class HashingWriter(FileSystemWriter):
     The checksums are computed in a thread once DCP has written this rank's files, while DCP
     gathers the plans' results and writes its metadata (time a rank mostly spends waiting for
     the others); :attr:`files` waits for them.
+
+    DCP may call :meth:`write_data` from a thread of its own (a background save), where the
+    current CUDA device is 0 whatever the rank: DCP's copying loader takes that device's
+    current stream. The writer enters ``device`` (this rank's) around the write. A state
+    staged on the host (``host_only``) is written without DCP's device loader at all.
+
+    Args:
+        path: The directory written.
+        device: This rank's device (the model's); ``None`` or CPU: nothing to enter.
+        host_only: Every tensor written is already in host memory (a staged state).
     """
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(str(path))
+    def __init__(
+        self, path: Path, *, device: torch.device | None = None, host_only: bool = False
+    ) -> None:
+        # per_thread_copy_ahead=0 makes DCP copy with its serial loader, which leaves host
+        # tensors as they are and touches no device stream.
+        super().__init__(str(path), per_thread_copy_ahead=0 if host_only else 10_000_000)
         self.root = path
+        self.device = device
         self._files: concurrent.futures.Future[FileTable] | None = None
 
     @property
@@ -100,7 +117,8 @@ class HashingWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's files (DCP), then start summing them while in the page cache."""
-        written = super().write_data(plan, planner)
+        with on_device(self.device):  # DCP's thread: this rank's device, not device 0
+            written = super().write_data(plan, planner)
         results = written.wait()
         names = {
             str(result.storage_data.relative_path)

@@ -122,7 +122,7 @@ def _write(
     state = collect_state(model, optimizer, stateful)
     manifest = new_manifest(model, optimizer, step, extra, stateful, rng)
     rng_state = capture_rng_state(_state.model_device(model)) if rng else None
-    writer = HashingWriter(partial)
+    writer = HashingWriter(partial, device=_state.model_device(model))
     try:
         with single_process_quiet():
             dcp_save(state, storage_writer=writer)

@@ -6,6 +6,12 @@ stager copies each tensor (a ``DTensor``'s local shard) into a host buffer kept 
 previous save when its shape, stride and dtype match, so a steady run allocates once. The
 buffers are free to reuse because one save is in flight at a time (the next save first waits
 for the previous write). The cost is host memory of this rank's state, held between saves.
+
+What a background save hands DCP is on the host, whatever device the model is on: a
+``DTensor`` is rebuilt over its host shard with the original's spec (as torch's own stager
+does), never through ``DTensor.from_local``, which moves the local tensor to the mesh's device
+type (on a CUDA mesh: a second device copy of the whole state while the next steps train).
+:func:`stage` checks it on every save (:func:`require_host_only`).
 """
 
 from __future__ import annotations
@@ -29,20 +35,37 @@ def stage(state: dict[str, Any]) -> dict[str, Any]:
     kept = dict(_BUFFERS)
     _BUFFERS.clear()
     staged: dict[str, Any] = _copy(state, (), kept)
+    require_host_only(staged)
     return staged
+
+
+def require_host_only(state: Any, path: str = "state") -> None:
+    """Check that every tensor of ``state`` (a ``DTensor``'s local shard too) is on the host.
+
+    Raises:
+        RuntimeError: Naming the first tensor that is not in host memory.
+    """
+    if isinstance(state, DTensor):
+        state = state._local_tensor  # not to_local(): it may wait on a collective
+    if isinstance(state, torch.Tensor):
+        if state.device.type != "cpu":
+            raise RuntimeError(
+                f"checkpoint-io staged {path} on {state.device}, not in host memory; a "
+                "background save must hold no device memory (please report this as a bug)"
+            )
+    elif isinstance(state, dict):
+        for key, item in state.items():
+            require_host_only(item, f"{path}[{key!r}]")
+    elif isinstance(state, list | tuple):
+        for index, item in enumerate(state):
+            require_host_only(item, f"{path}[{index}]")
 
 
 def _copy(value: Any, path: _Path, kept: dict[_Path, torch.Tensor]) -> Any:
     if isinstance(value, DTensor):
         local = _host_copy(value.to_local(), path, kept)
-        return DTensor.from_local(
-            local,
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.size(),
-            stride=value.stride(),
-        )
+        # The same spec (mesh, placements, global shape and stride) over the host shard.
+        return DTensor(local, value._spec, requires_grad=False)  # type: ignore[no-untyped-call]
     if isinstance(value, torch.Tensor):
         return _host_copy(value, path, kept)
     if isinstance(value, dict):

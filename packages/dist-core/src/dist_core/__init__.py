@@ -6,10 +6,12 @@ data-parallel wrap, what a model is wrapped in, and how much memory a stage took
 
 from __future__ import annotations
 
+from dist_core._agree import agree
 from dist_core._checks import check_forward_methods, check_wrap_preconditions
 from dist_core._devices import (
     DeviceLike,
     accelerator_type,
+    on_device,
     require_current_device,
     require_device_index,
     resolve_device,
@@ -29,12 +31,14 @@ __all__ = [
     "MemoryPeak",
     "Strategy",
     "accelerator_type",
+    "agree",
     "check_forward_methods",
     "check_wrap_preconditions",
     "current_rss",
     "fsdp_modules",
     "is_distributed",
     "log_rank0",
+    "on_device",
     "rank",
     "require_current_device",
     "require_device_index",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import overload
 
 import torch
@@ -106,3 +108,24 @@ def require_current_device(device: torch.device, *, caller: str, argument: str =
             f"so call torch.{device.type}.set_device({device.index}) first (usually "
             f"set_device(LOCAL_RANK) right after the process starts)"
         )
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device | None) -> Iterator[None]:
+    """Make ``device`` the current device of its type in this thread while the block runs.
+
+    A thread other than the one that called ``torch.cuda.set_device`` starts on device 0:
+    work that a library runs in its own thread (DCP's background writer, which takes the
+    current stream) must enter this rank's device first, or it creates a context and copies
+    on GPU 0. CPU, meta, an index-less device, a device type without a ``device`` context
+    (MPS) or ``None``: nothing to do.
+    """
+    if device is None or device.type in ("cpu", "meta") or device.index is None:
+        yield
+        return
+    enter = getattr(torch.get_device_module(device.type), "device", None)
+    if enter is None:
+        yield
+        return
+    with enter(device.index):
+        yield

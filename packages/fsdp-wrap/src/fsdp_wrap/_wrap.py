@@ -22,6 +22,7 @@ from dist_core import (
 )
 from fsdp_wrap._policy import ShardPolicy, describe_units, select_with_rule
 from fsdp_wrap._precision import mixed_precision_policy
+from fsdp_wrap._sentinel import parameters_of, remember_replaced
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,10 @@ def wrap_module_fsdp(
       ``build_sharded_model``).
 
     The returned module is the model itself (FSDP2 swaps its class for an ``FSDPModule``
-    subclass): attributes and methods stay reachable. Its parameters become ``DTensor``
-    shards; build the optimizer after this call.
+    subclass): attributes and methods stay reachable. Its parameters become new ``DTensor``
+    shards; build the optimizer after this call. An optimizer built before it holds the
+    replaced parameters, which get no gradient: it raises ``RuntimeError`` at its first
+    ``step()``, before any weight changes (checked once per optimizer and wrap).
 
     Args:
         module: The model, on ``device``, on the CPU or on the meta device, with its
@@ -111,9 +114,12 @@ def wrap_module_fsdp(
             rule,
             model_name,
         )
+    before = parameters_of(module)
     for sub in targets:
         fully_shard(sub, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    remember_replaced(before, module)  # an optimizer holding these is refused at its step
+    del before
     for name in names:
         register_fsdp_forward_method(module, name)
     log_rank0(
@@ -174,10 +180,26 @@ def _mesh_text(mesh: DeviceMesh, target: torch.device) -> str:
     return f"{target.type}, mesh {sizes}"
 
 
+# The default 1-D mesh per device type, with the default group it was built on. Built once per
+# default group: where the default group has no backend for the device type (a CPU wrap on a
+# host whose default group is NCCL), init_device_mesh makes a new gloo group each time, and
+# one per wrap would pile up, never destroyed.
+_DEFAULT_MESHES: dict[str, tuple[object, DeviceMesh]] = {}
+
+
+def _default_mesh(device_type: str) -> DeviceMesh:
+    default = dist.distributed_c10d._get_default_group()
+    made = _DEFAULT_MESHES.get(device_type)
+    if made is None or made[0] is not default or made[1].size() != dist.get_world_size():
+        made = (default, init_device_mesh(device_type, (dist.get_world_size(),)))
+        _DEFAULT_MESHES[device_type] = made
+    return made[1]
+
+
 def _resolve_mesh(mesh: DeviceMesh | None, target: torch.device) -> DeviceMesh:
     require_current_device(target, caller="wrap_module_fsdp")
     if mesh is None:
-        return init_device_mesh(target.type, (dist.get_world_size(),))
+        return _default_mesh(target.type)
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):

@@ -18,7 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dist_core import DeviceLike, require_current_device, require_process_group, resolve_device
+from dist_core import (
+    DeviceLike,
+    agree,
+    require_current_device,
+    require_process_group,
+    resolve_device,
+)
 from replica_init._build import (
     ModelFactory,
     build_on_meta,
@@ -134,7 +140,6 @@ def build_sharded_model(
     require_process_group("build_sharded_model", instead="or build a full replica")
     params = check_build_arguments(model_cls, init_params, default_dtype)
     target = resolve_device(device)
-    require_current_device(target, caller="build_sharded_model")
     if not callable(shard):
         raise TypeError(
             f"shard must be a callable that shards the model and returns it (e.g. "
@@ -145,6 +150,9 @@ def build_sharded_model(
     model: nn.Module | None = None
     failure: Exception | None = None
     try:
+        # Checked on every rank and reported in the agreement below: a rank that raised
+        # alone would leave the others waiting in it.
+        require_current_device(target, caller="build_sharded_model")
         with around("build"):
             if source == "local" or rank == 0:
                 model = construct_on_cpu(
@@ -171,20 +179,36 @@ def build_sharded_model(
         full = {name: tensor.detach() for name, tensor in targets}
     del targets
     references: dict[int, list[tuple[str, str]]] = {}
-    if verify:
-        with around("verify"):
-            # rank0: rank 0 referees the others (its own shards are cut from its own model).
-            referees = range(1, world) if source == "rank0" else [(rank + 1) % world]
-            if source == "local" or rank == 0:
-                degree = world if shard_degree is None else shard_degree
-                references = reference_digests(model, referees, degree)
-    with around("wrap"):
-        sharded = shard(model)
-        check_is_module(shard, sharded)
+    sharded: nn.Module | None = None
+    try:
+        if verify:
+            with around("verify"):
+                # rank0: rank 0 referees the others (its shards are cut from its own model).
+                referees = range(1, world) if source == "rank0" else [(rank + 1) % world]
+                if source == "local" or rank == 0:
+                    degree = world if shard_degree is None else shard_degree
+                    references = reference_digests(model, referees, degree)
+        with around("wrap"):
+            sharded = shard(model)
+            check_is_module(shard, sharded)
+        if source == "rank0" and rank != 0:
+            with around("load"):
+                materialize(sharded, target)
+    except Exception as error:
+        failure = error
+    # Agreed before the stream: a rank that failed to shard must not leave the others
+    # waiting in its first broadcast until the timeout.
+    agree(failure, "sharding the model")
+    assert sharded is not None
     del model
     if source == "rank0":
         with around("load"):
-            _load_from_rank0(sharded, full, target, stream_bucket_bytes(whole, world))
+            stream_from_rank0(
+                stream_targets(sharded),
+                full,
+                target,
+                bucket_bytes=stream_bucket_bytes(whole, world),
+            )
         del full
     fingerprint = None
     if verify:
@@ -192,15 +216,6 @@ def build_sharded_model(
             fingerprint = assert_shards_identical(sharded, references)
     logger.debug("sharded model built (source=%s, %d ranks, verified=%s)", source, world, verify)
     return ShardedModel(sharded, fingerprint)
-
-
-def _load_from_rank0(
-    model: nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device, bucket: int
-) -> None:
-    """Fill the other ranks' (meta) shards with rank 0's tensors, a bucket at a time."""
-    if dist.get_rank() != 0:
-        materialize(model, device)
-    stream_from_rank0(stream_targets(model), full, device, bucket_bytes=bucket)
 
 
 @contextlib.contextmanager

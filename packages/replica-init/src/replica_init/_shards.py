@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from dist_core import agree
 from replica_init._fingerprint import combine, digest_entry, named_state_tensors
 from replica_init._verify import ReplicaMismatchError
 
@@ -56,9 +57,15 @@ def assert_shards_identical(sharded: nn.Module, references: dict[int, Digests]) 
         ReplicaMismatchError: On every rank, if a rank's shards differ from a referee's
             copy, naming the rank, the referee and the first differing tensor.
     """
-    mine = local_digests(sharded)
-    gathered: list[tuple[Digests, dict[int, Digests]]] = [([], {})] * dist.get_world_size()
-    dist.all_gather_object(gathered, (mine, references))
+    mine: Digests = []
+    failure: Exception | None = None
+    try:
+        mine = local_digests(sharded)
+    except Exception as error:  # reported to every rank, not raised alone
+        failure = error
+    gathered: list[tuple[Digests, dict[int, Digests]]] = agree(
+        failure, "verifying the shards", share=(mine, references)
+    )
     for referee, (_, theirs) in enumerate(gathered):
         for owner, expected in sorted(theirs.items()):
             held = gathered[owner][0]

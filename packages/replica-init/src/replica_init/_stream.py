@@ -52,6 +52,8 @@ def stream_from_rank0(
         device: Where the packed buckets travel (this rank's device).
         bucket_bytes: The largest packed buffer.
     """
+    if dist.get_world_size() == 1:
+        return  # rank 0's shards were cut from the tensors it would send: nothing to copy
     sending = dist.get_rank() == 0
     with torch.no_grad():
         for bucket in _buckets([tensor for _, tensor in targets], bucket_bytes):

@@ -7,7 +7,7 @@ import itertools
 import torch.distributed as dist
 from torch import nn
 
-from dist_core import require_current_device, require_process_group
+from dist_core import agree, require_current_device, require_process_group
 from replica_init._fingerprint import combine, tensor_digests
 
 
@@ -52,14 +52,21 @@ def assert_replicas_identical(module: nn.Module, *, group: dist.ProcessGroup | N
     """
     require_process_group("assert_replicas_identical")
     first = next(itertools.chain(module.parameters(), module.buffers()), None)
-    if first is not None:
-        require_current_device(
-            first.device, caller="assert_replicas_identical", argument="the module's device"
-        )
-    digests = tensor_digests(module)
-    fingerprint = combine(digests)
-    fingerprints: list[str] = [""] * dist.get_world_size(group)
-    dist.all_gather_object(fingerprints, fingerprint, group=group)
+    failure: Exception | None = None
+    digests: list[tuple[str, str]] = []
+    fingerprint = ""
+    try:  # a failure is reported to every rank, never raised alone before the gather
+        if first is not None:
+            require_current_device(
+                first.device, caller="assert_replicas_identical", argument="the module's device"
+            )
+        digests = tensor_digests(module)
+        fingerprint = combine(digests)
+    except Exception as error:
+        failure = error
+    fingerprints: list[str] = agree(
+        failure, "fingerprinting the replicas", group, share=fingerprint
+    )
     if len(set(fingerprints)) == 1:
         return fingerprint
     everyone: list[list[tuple[str, str]]] = [[] for _ in fingerprints]

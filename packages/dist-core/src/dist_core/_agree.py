@@ -1,0 +1,55 @@
+"""Every rank reaches the same verdict: no rank raises alone while another waits."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from dist_core._group import is_distributed
+
+
+def agree(
+    error: BaseException | None,
+    what: str,
+    group: dist.ProcessGroup | None = None,
+    *,
+    share: Any = None,
+    kinds: Mapping[str, type[Exception]] | None = None,
+    default: type[Exception] = RuntimeError,
+) -> list[Any]:
+    """Raise on every rank if ``error`` happened on any rank (collective over ``group``).
+
+    Put it after work that may fail on some ranks only and before the next collective: the
+    failing rank re-raises its own error; the others raise ``default`` (or the failing rank's
+    exception type where ``kinds`` maps its name) naming the failing ranks and the first
+    rank's message, instead of waiting in that collective until the timeout.
+
+    Args:
+        error: This rank's failure, or ``None``.
+        what: The work, for the message (``"wrapping the model"``).
+        group: The group that agrees; ``None`` is the default group.
+        share: A picklable value gathered in the same collective.
+        kinds: Exception type names that the other ranks raise as themselves.
+        default: The type the other ranks raise otherwise.
+
+    Returns:
+        Every rank's ``share``, by rank in ``group`` (``[share]`` without a process group).
+    """
+    if not is_distributed():
+        if error is not None:
+            raise error
+        return [share]
+    report = None if error is None else (type(error).__name__, str(error))
+    reports: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, (report, share), group=group)
+    if error is not None:
+        raise error
+    failed = [(r, rep) for r, (rep, _) in enumerate(reports) if rep is not None]
+    if failed:
+        first, (kind, message) = failed[0]
+        raise (kinds or {}).get(kind, default)(
+            f"{what} failed on rank(s) {[r for r, _ in failed]}; rank {first}: {message}"
+        )
+    return [shared for _, shared in reports]
