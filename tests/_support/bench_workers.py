@@ -80,17 +80,23 @@ def checkpoint_cost_cases(rank: int, world_size: int) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.ones(2, 8)).sum().backward()
     optimizer.step()
-    results: dict[str, Any] = {"seen_at_ours": []}
-    save = _ckpt.save_checkpoint
+    results: dict[str, Any] = {"seen_at_ours": [], "order": []}
+    save, raw_save = _ckpt.save_checkpoint, _ckpt.dcp_save
 
     def spy_save(path: Any, *args: Any, **kwargs: Any) -> Any:
         results["seen_at_ours"].append(sorted(os.listdir(Path(path).parent)))
+        results["order"].append("ours")
         return save(path, *args, **kwargs)
+
+    def spy_raw_save(*args: Any, **kwargs: Any) -> Any:
+        results["order"].append("raw")
+        return raw_save(*args, **kwargs)
 
     def failing_save(path: Any, *args: Any, **kwargs: Any) -> Any:
         raise OSError(28, "No space left on device")
 
     cpu = torch.device("cpu")
+    _ckpt.dcp_save = spy_raw_save  # type: ignore[assignment]
     try:
         for raw_first in (True, False):
             _ckpt.save_checkpoint = spy_save  # type: ignore[assignment]
@@ -108,5 +114,5 @@ def checkpoint_cost_cases(rank: int, world_size: int) -> dict[str, Any]:
         _ckpt.DISK_FACTOR = factor
         results["small_disk"] = small_disk
     finally:
-        _ckpt.save_checkpoint = save  # type: ignore[assignment]
+        _ckpt.save_checkpoint, _ckpt.dcp_save = save, raw_save  # type: ignore[assignment]
     return results

@@ -71,7 +71,12 @@ def _stale_optimizer(world_size: int, kind: str) -> dict[str, Any]:
     model = SequentialViT().to(rank_device())
     early = torch.optim.AdamW(model.parameters(), lr=0.1)
     mesh = hsdp_mesh(rank_device(), replicate=world_size, shard=1) if kind == "hsdp" else None
-    wrap_module_fsdp(model, device=rank_device(), mesh=mesh)
+    records = _Records()
+    logging.getLogger("fsdp_wrap").addHandler(records)
+    try:
+        wrap_module_fsdp(model, device=rank_device(), mesh=mesh)
+    finally:
+        logging.getLogger("fsdp_wrap").removeHandler(records)
     before = _full(model)
     x = torch.randn(3, 4, device=rank_device())
     model(x).sum().backward()
@@ -89,6 +94,7 @@ def _stale_optimizer(world_size: int, kind: str) -> dict[str, Any]:
     other.grad = torch.ones(2)
     torch.optim.SGD([other], lr=0.5).step()
     return {
+        "warnings": records.messages,
         "errors": errors,
         "unchanged": unchanged,
         "early_state": len(early.state),

@@ -37,6 +37,7 @@ def test_reexports_every_public_name() -> None:
     import grad_sync
     import replica_init
     import rng_fork
+    import sample_order
     import strategy_config
 
     exported = set(distributed_strategy.__all__)
@@ -49,6 +50,7 @@ def test_reexports_every_public_name() -> None:
         checkpoint_io,
         replica_init,
         rng_fork,
+        sample_order,
         strategy_config,
     )
     for piece in pieces:

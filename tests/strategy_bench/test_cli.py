@@ -29,7 +29,11 @@ QUICK = [
     "1",
     "--batch-size",
     "2",
+    "--ckpt-samples",
+    "1",
 ]
+"""Short runs. One checkpoint-cost sample per point (the smoke run measures the default's
+three, alternating)."""
 
 
 USER_MODEL = (
@@ -76,10 +80,24 @@ def assert_png(path: Path) -> None:
     assert image.std() > 0.01, f"{path} is blank"
 
 
+@pytest.fixture(scope="module")
+def smoke_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """One short run of tiny (DDP and FSDP on 2 ranks), shared by the tests that read it."""
+    out = tmp_path_factory.mktemp("smoke") / "run"
+    three = [*QUICK[:-2], "--ckpt-samples", "3"]  # the default, with its median and range
+    done = bench("run", *three, "--models", "tiny", "--peak-tflops", "0.5", "--out", str(out))
+    return done, out
+
+
 @pytest.mark.multiprocess
-def test_run_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "run"
-    done = bench("run", *QUICK, "--models", "tiny", "--peak-tflops", "0.5", "--out", str(out))
+def test_run_smoke(
+    smoke_run: tuple[subprocess.CompletedProcess[str], Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    done, out = smoke_run
     assert done.returncode == 0, done.stderr
     payload = json.loads((out / "results.json").read_text())
     assert payload["schema"] == SCHEMA == 2
@@ -112,6 +130,8 @@ def test_run_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert row["peak_reserved_bytes"] == row["peak_mem_bytes"]  # CPU: both are the RSS
         assert len(row["wrap_cold_ms_all"]) == len(row["raw_wrap_cold_ms_all"]) == 3
         assert row["wrap_cold_ms"] in row["wrap_cold_ms_all"]  # the median of 3
+        for key in ("ckpt_save_ms", "raw_ckpt_save_ms", "ckpt_load_ms", "ckpt_async_stall_ms"):
+            assert len(row[f"{key}_all"]) == 3 and row[key] in row[f"{key}_all"], key
         # FLOPs counted over a step of the model agree with the preset's formula.
         assert row["flops_per_sample"] == pytest.approx(row["analytic_flops_per_sample"], rel=0.05)
         assert row["mfu"] == pytest.approx(row["achieved_flops_per_rank"] / 0.5e12)
@@ -133,6 +153,8 @@ def test_run_smoke(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "- `tiny`: FSDP ran at " in report
     assert "x DDP's bytes per step" in report and "% of static memory per rank" in report
     assert "0.5 TFLOP/s per rank (--peak-tflops 0.5)" in report
+    assert "ckpt save / raw / load / async stall ms, median (range)" in report
+    assert report.count(", 3 samples |") == 2
     assert "[1/2] ddp tiny" in done.stderr and "[2/2] fsdp tiny" in done.stderr
     assert "FSDP/DDP throughput" in done.stdout and "step ms (p10-p90)" in done.stdout
     assert "peak MiB alloc/reserved" in done.stdout
@@ -273,16 +295,22 @@ def test_hsdp_point_under_torchrun_two_nodes_of_two(tmp_path: Path) -> None:
     assert "HSDP ran at" in (tmp_path / "report.md").read_text()
 
 
+@pytest.fixture(scope="module")
+def user_run(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """A run of the user's own model (factories), shared by the tests that read it."""
+    out = tmp_path_factory.mktemp("user") / "user"
+    return bench("run", *QUICK, *USER_MODEL, "--out", str(out)), out
+
+
 @pytest.mark.multiprocess
-def test_user_model_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "user"
-    done = bench(
-        "run",
-        *QUICK,
-        *USER_MODEL,
-        "--out",
-        str(out),
-    )
+def test_user_model_end_to_end(
+    user_run: tuple[subprocess.CompletedProcess[str], Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    done, out = user_run
     assert done.returncode == 0, done.stderr
     rows = json.loads((out / "results.json").read_text())["results"]
     assert {r["model"] for r in rows} == {"make_model"}
@@ -799,14 +827,16 @@ def test_kept_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 @pytest.mark.multiprocess
-def test_every_rank_exits_0_run_after_run(tmp_path: Path) -> None:
+def test_every_rank_exits_0_run_after_run(
+    smoke_run: tuple[subprocess.CompletedProcess[str], Path],
+    user_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
     """Ranks that measured a point in full exit 0, run after run: a rank once aborted at
     teardown ("terminate called without an active exception", exit -6) and its complete
     point was recorded failed. (A rank that still fails after its point's results were
-    written is tested in test_kept_results.)"""
-    for attempt in range(2):
-        out = tmp_path / f"run{attempt}"
-        done = bench("run", *QUICK, "--models", "tiny", "--out", str(out))
+    written is tested in test_kept_results.) Two runs of this module, one after the other:
+    the smoke run and the user model's."""
+    for done, out in (smoke_run, user_run):
         assert done.returncode == 0, done.stderr
         assert "failed" not in done.stderr and "terminate called" not in done.stderr
         rows = json.loads((out / "results.json").read_text())["results"]

@@ -254,16 +254,48 @@ def test_checkpoint_cost_keeps_one_checkpoint_and_records_failures() -> None:
     little free disk skips the measurement with the reason; a failing save is recorded as
     ``ckpt_error`` instead of failing the point."""
     from bench_workers import checkpoint_cost_cases
+    from strategy_bench.measure._ckpt import CKPT_SAMPLED
+    from strategy_bench.measure._options import CKPT_SAMPLES
 
     (result,) = run_ranks(checkpoint_cost_cases, world_size=1)
-    assert result["seen_at_ours"] == [[], []]  # neither raw nor an earlier ours left
+    # neither raw nor an earlier ours left, at any of the samples
+    assert result["seen_at_ours"] == [[]] * (2 * CKPT_SAMPLES)
+    # Alternating which goes first, sample by sample, starting as raw_first says.
+    pairs = [result["order"][i : i + 2] for i in range(0, 4 * CKPT_SAMPLES, 2)]
+    assert pairs[:CKPT_SAMPLES] == [["raw", "ours"], ["ours", "raw"], ["raw", "ours"]]
+    assert pairs[CKPT_SAMPLES:] == [["ours", "raw"], ["raw", "ours"], ["ours", "raw"]]
     for raw_first in (True, False):
         out = result[f"normal_{raw_first}"]
         assert out["ckpt_bytes"] > 0 and "ckpt_error" not in out
         assert min(out["ckpt_save_ms"], out["raw_ckpt_save_ms"], out["ckpt_load_ms"]) > 0
         assert 0 < out["ckpt_async_stall_ms"]
+        for key in CKPT_SAMPLED:  # the median of CKPT_SAMPLES samples, each kept
+            assert len(out[f"{key}_all"]) == CKPT_SAMPLES
+            assert out[key] == sorted(out[f"{key}_all"])[CKPT_SAMPLES // 2]
     failed = result["failed"]
     assert failed["ckpt_error"] == "OSError: [Errno 28] No space left on device"
     assert not {"ckpt_save_ms", "ckpt_load_ms", "ckpt_async_stall_ms"} & set(failed)
     skipped = result["small_disk"]["ckpt_error"]
     assert skipped.startswith("skipped: ") and "point TMPDIR at a larger disk" in skipped
+
+
+def test_checkpoint_columns_carry_median_and_range() -> None:
+    from strategy_bench.report._report import _checkpoint_text
+
+    row = {
+        "ckpt_save_ms": 101.0,
+        "ckpt_save_ms_all": [95.0, 101.0, 130.0],
+        "raw_ckpt_save_ms": 133.0,
+        "raw_ckpt_save_ms_all": [120.0, 133.0, 140.0],
+        "ckpt_load_ms": 99.0,
+        "ckpt_load_ms_all": [97.0, 99.0, 103.0],
+        "ckpt_async_stall_ms": 22.0,
+        "ckpt_async_stall_ms_all": [21.0, 22.0, 25.0],
+    }
+    assert (
+        _checkpoint_text(row)
+        == "101 (95-130) / 133 (120-140) / 99 (97-103) / 22 (21-25), 3 samples"
+    )
+    once = {k: v for k, v in row.items() if not k.endswith("_all")}
+    assert _checkpoint_text(once) == "101 / 133 / 99 / 22, 1 sample"  # an older results file
+    assert _checkpoint_text({}) == "-"

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from strategy_bench._errors import BenchUsageError
+from strategy_bench.measure import RunOptions
 from strategy_bench.results import read_results
 from strategy_bench.workload import (
     CPU_DEFAULT_MODELS,
@@ -47,6 +48,16 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--ckpt-samples",
+        type=int,
+        default=RunOptions.ckpt_samples,
+        metavar="N",
+        help=(
+            "rounds of the checkpoint cost per point, ours and raw DCP alternating; the median "
+            "and range are reported (default 3; 0 skips it)"
+        ),
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/latest"))
     parser.add_argument(
         "--peak-tflops",

@@ -101,6 +101,10 @@ def plan_run(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
     world = _world_size(args.world_size, device)
     if args.steps < 1:
         raise BenchUsageError(f"--steps must be >= 1, got {args.steps}")
+    if args.ckpt_samples < 0:
+        raise BenchUsageError(
+            f"--ckpt-samples must be >= 0 (0 skips the checkpoint cost), got {args.ckpt_samples}"
+        )
     if args.warmup < 0:
         raise BenchUsageError(f"--warmup must be >= 0, got {args.warmup}")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
@@ -143,6 +147,7 @@ def plan_run(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         batch_size=args.batch_size,
         dtype=args.dtype,
         seed=args.seed,
+        ckpt_samples=args.ckpt_samples,
     )
     plan = Plan(
         device=device,

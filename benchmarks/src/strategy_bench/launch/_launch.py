@@ -207,7 +207,7 @@ def _environment_of(plan: Plan) -> dict[str, Any]:
 
 def _spawn(plan: Plan, timeout_s: float | None, addr: str) -> dict[str, Any] | None:
     """One set of ranks for ``plan``; ``None`` when they all succeeded, else the failure."""
-    context = mp.get_context("spawn")
+    context = _rank_context()
     init_method = f"tcp://{addr}:{_free_port(addr)}"
     with tempfile.TemporaryDirectory(prefix="strategy-bench-") as errors:
         procs = [
@@ -221,6 +221,21 @@ def _spawn(plan: Plan, timeout_s: float | None, addr: str) -> dict[str, Any] | N
         for proc in procs:
             proc.start()
         return _watch(procs, Path(errors), timeout_s)
+
+
+def _rank_context() -> Any:
+    """Where each point's ranks start: a fork server that imported torch and the bench once.
+
+    A spawned rank imports torch and strategy-bench again (3-4 s per point on a 2-core host,
+    every rank at once); the fork server imports them once per run and forks each rank from
+    that state, before any CUDA or process group exists in it (it runs nothing else). Where
+    fork servers are unavailable (Windows, macOS' default), ranks are spawned.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "strategy_bench.launch._launch"])
+    return context
 
 
 def _watch(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from distributed_strategy import (
 )
 from strategy_bench._errors import error_summary
 from strategy_bench.measure._accounting import local_bytes
+from strategy_bench.measure._options import CKPT_SAMPLES
 from strategy_bench.measure._timing import timed_ms
 
 
@@ -32,10 +34,14 @@ def checkpoint_cost(
     *,
     raw_first: bool,
     out: dict[str, Any],
+    samples: int = CKPT_SAMPLES,
 ) -> None:
     """Time a checkpoint-io save beside a raw ``get_state_dict`` + ``dcp.save``, then a load.
 
-    One save each, in the order ``raw_first`` says (alternate it between points); only one
+    ``samples`` rounds (default ``CKPT_SAMPLES``) of one save each, ours and raw in
+    alternating order (the first round's order is ``raw_first``: alternate it between
+    points), the median of each
+    recorded with every sample (``<key>_all``); only one
     checkpoint is on disk at a time (the raw one is deleted before ours is written, and ours
     after its load), and the measurement is skipped when the disk has less than
     ``DISK_FACTOR`` times the state's size free. A failure (a full disk, say) is recorded as
@@ -92,25 +98,33 @@ def checkpoint_cost(
     def start_async() -> PendingCheckpoint:
         return async_save_checkpoint(folder / "async", wrapped, optimizer, rng=False)
 
+    taken: dict[str, list[float]] = {key: [] for key in CKPT_SAMPLED}
+
     def ours_then_load() -> None:
-        out["ckpt_save_ms"], _ = timed_ms(ours, device)
-        out["ckpt_load_ms"], _ = timed_ms(load, device)
+        taken["ckpt_save_ms"].append(timed_ms(ours, device)[0])
+        taken["ckpt_load_ms"].append(timed_ms(load, device)[0])
         out["ckpt_bytes"] = sum(
             f.stat().st_size for f in (folder / "ours").rglob("*") if f.is_file()
         )
         remove("ours")
         # The training loop's stall: until the state is staged; the write goes on behind it.
-        out["ckpt_async_stall_ms"], pending = timed_ms(start_async, device)
+        stall, pending = timed_ms(start_async, device)
+        taken["ckpt_async_stall_ms"].append(stall)
         pending.wait()
         remove("async")
 
     def raw_save() -> None:
-        out["raw_ckpt_save_ms"], _ = timed_ms(raw, device)
+        taken["raw_ckpt_save_ms"].append(timed_ms(raw, device)[0])
         remove("raw")
 
     try:
-        for run in (raw_save, ours_then_load) if raw_first else (ours_then_load, raw_save):
-            run()
+        for index in range(samples):  # alternating which goes first, as the wraps do
+            first_raw = raw_first if index % 2 == 0 else not raw_first
+            for run in (raw_save, ours_then_load) if first_raw else (ours_then_load, raw_save):
+                run()
+        for key, values in taken.items():
+            out[key] = statistics.median(values)
+            out[f"{key}_all"] = values
     except Exception as error:  # collective errors reach every rank (DCP, checkpoint-io)
         for key in CKPT_TIMES:
             out.pop(key, None)
@@ -121,13 +135,10 @@ def checkpoint_cost(
             shutil.rmtree(folder, ignore_errors=True)
 
 
-CKPT_TIMES = (
-    "ckpt_save_ms",
-    "raw_ckpt_save_ms",
-    "ckpt_load_ms",
-    "ckpt_async_stall_ms",
-    "ckpt_bytes",
-)
+CKPT_SAMPLED = ("ckpt_save_ms", "raw_ckpt_save_ms", "ckpt_load_ms", "ckpt_async_stall_ms")
+"""The checkpoint timings, each a median of ``CKPT_SAMPLES`` samples."""
+
+CKPT_TIMES = (*CKPT_SAMPLED, *(f"{key}_all" for key in CKPT_SAMPLED), "ckpt_bytes")
 """What a measured checkpoint cost records (dropped together when it fails)."""
 
 DISK_FACTOR = 2.5

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+CKPT_SAMPLES = 3
+"""Rounds of the checkpoint cost per point: ours and raw alternate which goes first."""
+
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:
@@ -16,6 +19,8 @@ class RunOptions:
         dtype: ``"fp32"``, or ``"bf16"`` for bf16 autocast (fp32 master weights).
         seed: Construction seed; each rank's data stream is derived from it.
         wrap_repeats: Warm wraps timed per wrapper (the median is reported).
+        ckpt_samples: Rounds of the checkpoint cost (ours and raw alternating; the median
+            and the range are reported); ``0`` skips the checkpoint cost.
     """
 
     steps: int = 20
@@ -24,3 +29,4 @@ class RunOptions:
     dtype: str = "fp32"
     seed: int = 0
     wrap_repeats: int = 5
+    ckpt_samples: int = CKPT_SAMPLES

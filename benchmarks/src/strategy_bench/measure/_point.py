@@ -272,7 +272,15 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
         out["tracked_peak_bytes"] = out["tracked_entry_bytes"] + tracked.peak - tracked.start
     else:
         out.update(account(wrapped, optimizer, workload.loss, batch, compute))
-    checkpoint_cost(wrapped, optimizer, device, raw_first=point.index % 2 == 0, out=out)
+    if point.options.ckpt_samples > 0:
+        checkpoint_cost(
+            wrapped,
+            optimizer,
+            device,
+            raw_first=point.index % 2 == 0,
+            out=out,
+            samples=point.options.ckpt_samples,
+        )
 
 
 def warm_up_process(device: torch.device) -> None:

@@ -136,9 +136,9 @@ def _mesh(
 ) -> DeviceMesh:
     """FSDP's 1-D mesh over ``group`` (default: the world), or HSDP's 2-D one.
 
-    The run's mesh is built once per default group, strategy and shape, and kept: where the
-    default group has no backend for the device type (CPU wraps on a CUDA host),
-    ``init_device_mesh`` would make a new group for every wrap. A cold wrap (``group`` given)
+    The run's mesh is built once per default group, strategy and shape, and kept: where CUDA
+    is available and the default group is gloo (CPU runs on a GPU host), ``init_device_mesh``
+    would make a new group for every wrap. A cold wrap (``group`` given)
     times building a mesh of its own, named ``coldN`` (HSDP: ``coldN_replicate``,
     ``coldN_shard``), whose new subgroups are appended to ``made`` for the caller to destroy
     right after the wrap. The name keeps it apart: torch (2.13) compares meshes by ranks,

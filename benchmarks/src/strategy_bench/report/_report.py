@@ -103,7 +103,7 @@ def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     header = (
         "| model | strategy | knobs | step ms (p10-p90) | samples/s | MFU | params / grads / "
         "optimizer / DDP buckets / activations MiB per rank | comm MiB per step | "
-        "ckpt save / raw / load / async stall ms |"
+        "ckpt save / raw / load / async stall ms, median (range) |"
     )
     lines = [header, "|" + " --- |" * 9]
     for row in rows:
@@ -118,22 +118,34 @@ def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             f"{kind} {value / _MIB:.2f}" + _dtype_text(dtypes.get(kind))
             for kind, value in sorted((row.get("comm_bytes_per_step") or {}).items())
         )
-        ckpt = (
-            f"{row['ckpt_save_ms']:.0f} / {row['raw_ckpt_save_ms']:.0f} / {row['ckpt_load_ms']:.0f}"
-            + (
-                f" / {row['ckpt_async_stall_ms']:.0f}"
-                if row.get("ckpt_async_stall_ms") is not None
-                else ""
-            )
-            if row.get("ckpt_save_ms") is not None
-            else "-"
-        )
+        ckpt = _checkpoint_text(row)
         lines.append(
             f"| {row['model']} | {row['strategy']} | {knobs} | {row['step_ms_median']:.1f} "
             f"({row['step_ms_p10']:.1f}-{row['step_ms_p90']:.1f}) | {row['samples_per_s']:.1f} | "
             f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {memory} | {comm or '-'} | {ckpt} |"
         )
     return lines
+
+
+def _checkpoint_text(row: Mapping[str, Any]) -> str:
+    """``save / raw / load / async stall`` medians in ms, each with its range over samples.
+
+    ``101 (95-130) / 133 (120-140) / 99 (97-103) / 22 (21-25), 3 samples``; a row measured
+    once (an older results file) says ``1 sample``.
+    """
+    if row.get("ckpt_save_ms") is None:
+        return "-"
+    parts = []
+    counts = set()
+    for key in ("ckpt_save_ms", "raw_ckpt_save_ms", "ckpt_load_ms", "ckpt_async_stall_ms"):
+        if row.get(key) is None:
+            continue
+        samples = row.get(f"{key}_all") or [row[key]]
+        counts.add(len(samples))
+        spread = f" ({min(samples):.0f}-{max(samples):.0f})" if len(samples) > 1 else ""
+        parts.append(f"{row[key]:.0f}{spread}")
+    count = min(counts)
+    return " / ".join(parts) + f", {count} sample{'s' if count != 1 else ''}"
 
 
 def _dtype_text(sizes: Mapping[str, int] | None) -> str:

@@ -173,10 +173,7 @@ def merge_ranks(
             f"{kind}_bytes": max(r.get(f"{kind}_bytes", 0) for r in per_rank)
             for kind in MEMORY_KINDS
         },
-        "ckpt_save_ms": _max_or_none(per_rank, "ckpt_save_ms"),
-        "raw_ckpt_save_ms": _max_or_none(per_rank, "raw_ckpt_save_ms"),
-        "ckpt_load_ms": _max_or_none(per_rank, "ckpt_load_ms"),
-        "ckpt_async_stall_ms": _max_or_none(per_rank, "ckpt_async_stall_ms"),
+        **_checkpoint_samples(per_rank),
         "ckpt_bytes": per_rank[0].get("ckpt_bytes"),
         "ckpt_error": per_rank[0].get("ckpt_error"),
         **{
@@ -194,6 +191,23 @@ def merge_ranks(
         "mfu_vs_matmul": achieved / matmul if achieved is not None and matmul else None,
     }
     return row
+
+
+def _checkpoint_samples(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Each checkpoint timing: the median over samples of the slowest rank, and the samples.
+
+    A collective save or load ends when its last rank ends it. A row without samples (an
+    older results file) keeps the slowest rank's single figure.
+    """
+    out: dict[str, Any] = {}
+    for key in ("ckpt_save_ms", "raw_ckpt_save_ms", "ckpt_load_ms", "ckpt_async_stall_ms"):
+        if all(r.get(f"{key}_all") for r in per_rank):
+            slowest = _slowest_rank(per_rank, f"{key}_all")
+            out[key] = statistics.median(slowest)
+            out[f"{key}_all"] = slowest
+        else:
+            out[key] = _max_or_none(per_rank, key)
+    return out
 
 
 def _slowest_rank(per_rank: Sequence[Mapping[str, Any]], key: str) -> list[float]:

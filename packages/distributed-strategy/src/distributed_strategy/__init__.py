@@ -82,6 +82,7 @@ from rng_fork import (
     fork_rng,
     restore_rng_state,
 )
+from sample_order import SampleOrder
 from strategy_config import (
     BUILD_SOURCES,
     DEFAULT_DISTRIBUTED_STRATEGY,
@@ -115,6 +116,7 @@ __all__ = [
     "PendingCheckpoint",
     "ReplicaMismatchError",
     "RngState",
+    "SampleOrder",
     "ShardPolicy",
     "ShardedModel",
     "Strategy",

@@ -118,8 +118,19 @@ def wrap_module_fsdp(
     for sub in targets:
         fully_shard(sub, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    remember_replaced(before, module)  # an optimizer holding these is refused at its step
+    held = remember_replaced(before, module)  # an optimizer holding these is refused at its step
     del before
+    if held:
+        log_rank0(
+            logger,
+            logging.WARNING,
+            "%d parameter(s) of %s that the wrap replaced are still held elsewhere (an optimizer "
+            "created before the wrap?): they get no gradient, and fully_shard left each one's "
+            "whole tensor on the device. An optimizer holding them is refused at its first "
+            "step(); create it after the wrap, from model.parameters()",
+            held,
+            model_name,
+        )
     for name in names:
         register_fsdp_forward_method(module, name)
     log_rank0(
@@ -181,9 +192,9 @@ def _mesh_text(mesh: DeviceMesh, target: torch.device) -> str:
 
 
 # The default 1-D mesh per device type, with the default group it was built on. Built once per
-# default group: where the default group has no backend for the device type (a CPU wrap on a
-# host whose default group is NCCL), init_device_mesh makes a new gloo group each time, and
-# one per wrap would pile up, never destroyed.
+# default group: where CUDA is available and the default group is gloo (CPU runs on a GPU
+# host), torch's init_device_mesh makes a new group for every mesh (device_mesh.py,
+# _init_one_process_group), and one per wrap would pile up, never destroyed.
 _DEFAULT_MESHES: dict[str, tuple[object, DeviceMesh]] = {}
 
 
