@@ -150,6 +150,8 @@ def tests(session: nox.Session, package: str) -> None:
     """Run one package's tests with only that package and its declared pieces installed."""
     dist = "distributed-strategy" if package == "integration" else package
     _install(session, dist, "test")
+    if dist == "checkpoint-io":  # torchdata asks for an unpinned torch: --no-deps
+        session.install("--no-deps", *nox.project.dependency_groups(PYPROJECT, "test-torchdata"))
     folder = "integration" if package == "integration" else PACKAGES[dist].import_name
     session.run("pytest", f"tests/{folder}", *session.posargs, env=_WRITE_BYTECODE)
 

@@ -208,29 +208,58 @@ def everything(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     )
     if world_size == 2:  # the long-run checks name rank 1
         out.update(long_runs(rank, world_size, folder))
+        out.update(per_rank_state(rank, folder))
     return out
 
 
-class PoisonOnRank1:
-    """An object that rank 1 cannot write: pickling it fails there (in the background)."""
+class Counter:
+    """A per-rank state (a streaming dataset's offset): its value differs by rank."""
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> PoisonOnRank1:  # staging copies it
-        return PoisonOnRank1()
-
-    def __reduce__(self) -> Any:
-        if dist.get_rank() == 1:
-            raise OSError("disk full (simulated on rank 1)")
-        return (PoisonOnRank1, ())
-
-
-class Poisoned:
-    """A stateful object whose state only fails when it is written, not when it is staged."""
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
 
     def state_dict(self) -> dict[str, Any]:
-        return {f"rank{dist.get_rank()}": PoisonOnRank1()}
+        return {"value": self.value}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        self.value = state["value"]
+
+
+def per_rank_state(rank: int, folder: str) -> dict[str, Any]:
+    """Each rank's own stateful state back to it, through the three save paths; an equal
+    state and a differing one saved for a load in one process."""
+    root = Path(folder) / "per-rank"
+    model = build("ddp", seed=1)
+    out: dict[str, Any] = {}
+    mine = (rank + 1) * 100  # [100, 200]
+    generator = torch.Generator().manual_seed(rank)  # a sampler's generator: a byte tensor
+    for how in ("sync", "async", "manager"):
+        objects = {
+            "offset": Counter(mine),
+            "gen": Counter(generator.get_state()),
+            "same": Counter(7),
+        }
+        if how == "sync":
+            path = save_checkpoint(root / how, model, step=1, stateful=objects)
+        elif how == "async":
+            path = async_save_checkpoint(root / how, model, step=1, stateful=objects).wait()
+        else:
+            manager = CheckpointManager(root / how, every=1)
+            manager.maybe_save(1, model, stateful=objects)
+            manager.wait()
+            path = manager.latest()  # type: ignore[assignment]
+        fresh = {"offset": Counter(), "gen": Counter(), "same": Counter()}
+        if how == "manager":
+            CheckpointManager(root / how, every=1).resume(model, stateful=fresh)
+        else:
+            load_checkpoint(path, model, stateful=fresh)
+        out[f"per_rank_{how}"] = (
+            fresh["offset"].value,
+            torch.equal(fresh["gen"].value, generator.get_state()),
+            fresh["same"].value,
+        )
+    out["per_rank_path"] = str(root / "sync")
+    return out
 
 
 def long_runs(rank: int, world_size: int, folder: str) -> dict[str, Any]:
@@ -272,15 +301,26 @@ def long_runs(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     out["async_is_staged_state"] = same(full(probe), staged, exact=True)
     out["async_moved_on"] = not same(full(model), staged, exact=True)
 
-    # An async save that fails on rank 1 only: every rank raises at wait(); nothing published.
-    pending = async_save_checkpoint(
-        root / "async", model, opt, step=3, stateful={"poison": Poisoned()}, overwrite=True
-    )
+    # An async save whose background write fails on rank 1 only: every rank raises at wait();
+    # nothing published. (A value that cannot be written is refused before staging now.)
+    from checkpoint_io._digest import HashingWriter
+
+    write_data = HashingWriter.write_data
+
+    def disk_full(self: Any, plan: Any, planner: Any) -> Any:
+        raise OSError("disk full (simulated on rank 1)")
+
+    if rank == 1:
+        HashingWriter.write_data = disk_full  # type: ignore[method-assign]
     try:
-        pending.wait()
-        out["async_failure"] = "no error"
-    except CheckpointError as error:
-        out["async_failure"] = str(error)
+        pending = async_save_checkpoint(root / "async", model, opt, step=3, overwrite=True)
+        try:
+            pending.wait()
+            out["async_failure"] = "no error"
+        except CheckpointError as error:
+            out["async_failure"] = str(error)
+    finally:
+        HashingWriter.write_data = write_data  # type: ignore[method-assign]
     dist.barrier()
     out["async_old_kept"] = load_checkpoint(root / "async", build("fsdp", seed=6)).step == 2
     out["async_leftovers"] = sorted(p.name for p in root.iterdir() if p.name.startswith("."))

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 from torch import nn
 
 import checkpoint_workers as workers
@@ -82,6 +83,61 @@ def test_corrupt_load_changes_nothing(two_ranks: Any) -> None:
 
 
 @pytest.mark.multiprocess
+def test_per_rank_state_comes_back_to_its_own_rank(two_ranks: Any) -> None:
+    """[100, 200] saved, [100, 200] loaded (DCP alone kept one rank's copy: [200, 200]),
+    through save_checkpoint, async_save_checkpoint and CheckpointManager."""
+    results, _ = two_ranks
+    for how in ("sync", "async", "manager"):
+        assert [r[f"per_rank_{how}"] for r in results] == [(100, True, 7), (200, True, 7)], how
+
+
+@pytest.mark.multiprocess
+def test_per_rank_state_at_another_world_size(two_ranks: Any) -> None:
+    """2 ranks -> 1 process: a state equal on every rank loads; one that differed is refused
+    before anything changes, naming the object, both world sizes and the way out."""
+    results, _ = two_ranks
+    path = Path(results[0]["per_rank_path"])
+    same = workers.Counter()
+    model = workers.Net()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    load_checkpoint(path, model, stateful={"same": same})
+    assert same.value == 7
+    fresh, offset = workers.Net(), workers.Counter("untouched")
+    untouched = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(path, fresh, stateful={"same": workers.Counter(), "offset": offset})
+    message = str(refused.value)
+    assert "stateful['offset'] (Counter) held a different state on each of the 2 ranks" in message
+    assert "is loaded on 1" in message and "Leave it out of stateful=" in message
+    assert "sample-order" in message
+    assert offset.value == "untouched"
+    assert all(torch.equal(v, untouched[k]) for k, v in fresh.state_dict().items())
+    assert before  # the first model was loaded, the second untouched
+
+
+@pytest.mark.multiprocess
+def test_rng_after_a_world_size_change_comes_from_the_checkpoint(
+    two_ranks: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 2-rank checkpoint resumed twice in one process, seeded differently before each
+    load: the same dropout draws after both."""
+    results, _ = two_ranks
+    path = Path(results[0]["per_rank_path"])
+    draws = []
+    for seed in (1, 12345):
+        torch.manual_seed(seed)
+        model = workers.Net()
+        load_checkpoint(path, model)
+        draws.append(model.drop(torch.ones(64)))
+    assert torch.equal(draws[0], draws[1])
+    assert (
+        "is loaded on 1: each rank's RNG streams are derived from the checkpoint's" in caplog.text
+    )
+    torch.manual_seed(1)
+    assert not torch.equal(workers.Net().drop(torch.ones(64)), draws[0])  # not the seed's
+
+
+@pytest.mark.multiprocess
 def test_two_ranks_to_one_process(two_ranks: Any, tmp_path: Path) -> None:
     """No process group here: load the 2-rank DDP checkpoint into a plain model, consolidate."""
     results, _ = two_ranks
@@ -145,12 +201,12 @@ class TestOneProcess:
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
         info = load_checkpoint(path, fresh, fresh_opt)
         assert info.step == 3 and info.extra == {"a": [1]}
-        assert info.fingerprint is None  # format 2: no gathered fingerprint at save time
-        assert manifest["format_version"] == 2
+        assert info.fingerprint is None  # format >= 2: no gathered fingerprint at save time
+        assert manifest["format_version"] == 3
         assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "rng/rank0.pt"]
         for name, entry in manifest["files"].items():
             assert entry["bytes"] == (path / name).stat().st_size and entry["rank"] == 0
-            assert entry["wsum64"] == _wsum64((path / name).read_bytes())
+            assert entry["xxh3_128"] == xxhash.xxh3_128((path / name).read_bytes()).hexdigest()
         assert fresh_opt.param_groups[0]["lr"] == 0.1
         for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
             assert torch.equal(a, b)

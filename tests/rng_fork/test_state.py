@@ -165,3 +165,16 @@ def test_derive_seed_bad_input(
     with pytest.raises(error) as info:
         derive_seed(*args, **kwargs)  # type: ignore[arg-type]
     assert fragment in str(info.value)
+
+
+def test_seed_rng_seeds_the_cpu_stream_and_checks_first() -> None:
+    from rng_fork import seed_rng
+
+    seed_rng(5)
+    assert torch.equal(torch.rand(4), torch.rand(4, generator=torch.Generator().manual_seed(5)))
+    before = torch.get_rng_state()
+    with pytest.raises(TypeError, match="seed must be an int"):
+        seed_rng("5")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        seed_rng(-(2**70))
+    assert torch.equal(torch.get_rng_state(), before)  # nothing seeded

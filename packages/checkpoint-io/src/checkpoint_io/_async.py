@@ -91,8 +91,8 @@ def start_async_save(
     """
     target, partial = begin(path, model, optimizer, step, extra, stateful, overwrite)
     started = time.perf_counter()
-    state = collect_state(model, optimizer, stateful)
-    manifest = new_manifest(model, optimizer, step, extra, stateful, rng)
+    state, parts = collect_state(model, optimizer, stateful)
+    manifest = new_manifest(model, optimizer, step, extra, parts, rng)
     group = gloo_group("background")
     writer = HashingWriter(partial, device=_state.model_device(model), host_only=True)
     staged: dict[str, Any] = {}
@@ -127,7 +127,7 @@ def start_async_save(
             except Exception as error:
                 failure = error
             agree(failure, f"writing {str(target)!r}", group)
-            finish(partial, target, manifest, writer, rng_state, group)
+            finish(partial, target, manifest, writer, rng_state, group, parts=parts)
             if after_publish is not None and rank() == 0:
                 after_publish()
         except BaseException:

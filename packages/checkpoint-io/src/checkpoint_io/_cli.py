@@ -9,12 +9,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._full import consolidate_checkpoint, model_fingerprint
 from checkpoint_io._manifest import read_manifest
+from checkpoint_io._safe import read_metadata
 
 USAGE_EXIT = 2
 
@@ -54,10 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _inspect(path: Path, *, fingerprint: bool) -> None:
     manifest = read_manifest(path)
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as error:
-        raise CheckpointError(f"{str(path)!r}: its DCP metadata cannot be read ({error})") from None
+    metadata = read_metadata(path)  # no code runs: DCP's metadata types only
     out = sys.stdout
     out.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n\n")
     rows = [

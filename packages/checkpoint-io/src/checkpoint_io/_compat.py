@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 import datetime
-import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+from torch.distributed.checkpoint.default_planner import (
+    _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner,
+)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-__all__ = ["CheckpointException", "dcp_failure", "default_group_timeout", "load_whole"]
+__all__ = [
+    "CheckpointException",
+    "EmptyStateDictLoadPlanner",
+    "dcp_failure",
+    "default_group_timeout",
+    "load_into_empty",
+    "set_element",
+]
 
 
-def load_whole(path: Path) -> dict[str, Any]:
-    """Every entry of a DCP checkpoint as plain tensors and objects, in this one process."""
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-        warnings.simplefilter("ignore", UserWarning)
-        return _load_state_dict_from_keys(checkpoint_id=str(path))
+def load_into_empty(state: dict[str, Any], reader: Any, planner: Any) -> None:
+    """DCP's load into an empty ``state`` that ``planner`` rebuilds from the index.
+
+    In this process; the public ``dcp.load`` copies back only the keys ``state`` had.
+    """
+    _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
 
 
 def dcp_failure(what: str, error: CheckpointException) -> str:

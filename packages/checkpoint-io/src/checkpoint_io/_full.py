@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from checkpoint_io import _compat, _state
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._manifest import read_manifest
+from checkpoint_io._safe import SafeReader, SafeWholePlanner, unsafe_cause
 from dist_core import is_distributed
 
 
@@ -57,10 +59,24 @@ def model_fingerprint(path: str | os.PathLike[str]) -> str:
 
 
 def _read_whole(root: Path) -> dict[str, Any]:
+    """Every entry of the checkpoint as plain tensors and values, in this process.
+
+    The index is read without running code and every value ``weights_only``
+    (:mod:`checkpoint_io._safe`); an unsafe one raises :class:`CheckpointError`.
+    """
+    whole: dict[str, Any] = {}
     try:
-        return _compat.load_whole(root)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            _compat.load_into_empty(whole, SafeReader(root), SafeWholePlanner())  # type: ignore[no-untyped-call]
+    except CheckpointError:
+        raise
     except (Exception, _compat.CheckpointException) as error:  # the latter: a BaseException
+        unsafe = unsafe_cause(error)
+        if unsafe is not None:
+            raise unsafe from None
         raise CheckpointError(f"reading {str(root)!r} failed ({error})") from None
+    return whole
 
 
 def consolidate_checkpoint(path: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:

@@ -3,26 +3,37 @@
 from __future__ import annotations
 
 import logging
+import pickle
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.serialization import default_restore_location
 
 from checkpoint_io import _state
 from checkpoint_io._collective import agree, single_process_quiet
 from checkpoint_io._compat import CheckpointException
-from checkpoint_io._digest import check_digests, check_sizes, share
+from checkpoint_io._digest import check_digests, check_sizes, file_entry, share
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._manifest import RNG_DIR, CheckpointInfo, info_from, read_manifest
+from checkpoint_io._safe import (
+    SafeLoadPlanner,
+    SafeReader,
+    check_values,
+    inside,
+    read_metadata,
+    unsafe_cause,
+)
 from checkpoint_io._save import PathLike, check_stateful
+from checkpoint_io._stateful import StatefulLoad
+from checkpoint_io._stateful import plan_load as plan_stateful
 from dist_core import log_rank0, rank, strategy_of, world_size
-from rng_fork import RngState, restore_rng_state
+from rng_fork import RngState, derive_seed, restore_rng_state, seed_rng
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +63,11 @@ def load_checkpoint(
             hyperparameters are restored. Parameters without saved state keep none.
         stateful: Objects saved through ``save_checkpoint(stateful=...)``, by the same names.
         strict: Refuse missing or unexpected model keys; ``False`` loads the shared keys.
-        rng: Restore the RNG states when the world size is the one that saved (rank r gets
-            rank r's state); otherwise they are left alone and a warning is logged.
+        rng: Set the RNG streams from the checkpoint. At the world size that saved, rank r
+            gets rank r's saved state. At another world size, each rank's CPU and device
+            streams are seeded from the saved states, the step and the new rank
+            (:func:`derived_rng_seed`), with a warning: two resumes at the same world size
+            continue identically, however the processes were seeded before the load.
         verify: Check every file against the size and checksum recorded when it was written,
             before anything is read (the files are split among the ranks: O(checkpoint /
             world) per rank). The state is then read in place, with no second copy in memory.
@@ -100,8 +114,11 @@ def load_checkpoint(
         agree(failure, f"verifying {str(root)!r}")
     try:
         with single_process_quiet():
-            dcp_load(plan["target"], checkpoint_id=str(root))
+            dcp_load(plan["target"], storage_reader=SafeReader(root), planner=SafeLoadPlanner())
     except CheckpointException as error:
+        unsafe = unsafe_cause(error)
+        if unsafe is not None:  # checked before the load: only an encoded value gets here
+            raise unsafe from None
         partly = "" if plan["fresh"] else "; the model may be partly loaded: load it again"
         raise CheckpointError(
             f"reading {str(root)!r} failed: the checkpoint is truncated or corrupt "
@@ -123,10 +140,13 @@ def load_checkpoint(
         set_model_state_dict(model, loaded, options=StateDictOptions(strict=strict))
     if optimizer is not None:
         _state.load_optimizer(model, optimizer, plan["target"][_state.OPTIM])
-    for name, obj in (stateful or {}).items():
-        obj.load_state_dict(plan["target"][_state.STATEFUL][name])
+    if plan["stateful"] is not None:
+        plan["stateful"].apply(stateful or {}, plan["target"].get(_state.STATEFUL, {}))
+    else:
+        for name, obj in (stateful or {}).items():
+            obj.load_state_dict(plan["target"][_state.STATEFUL][name])
     if plan["rng"] is not None:
-        restore_rng_state(plan["rng"])
+        plan["rng"]()
     info = info_from(manifest, root)
     log_rank0(
         logger,
@@ -161,13 +181,9 @@ def _prepare(
     """
     manifest = read_manifest(root)
     fresh = verify and not manifest.get("files")
-    try:
-        metadata = FileSystemReader(str(root)).read_metadata()
-    except Exception as error:
-        raise CheckpointError(
-            f"{str(root)!r} is damaged: its DCP metadata cannot be read ({_first_line(error)})"
-        ) from None
+    metadata = read_metadata(root)  # no code runs, every file name inside the checkpoint
     _state.check_files(root, metadata)
+    check_values(root, metadata)  # every non-tensor value weights_only, before any is used
     if manifest.get("files"):
         check_sizes(root, manifest["files"])
     current = _state.model_state(model)
@@ -184,6 +200,7 @@ def _prepare(
         target[_state.OPTIM] = _state.optimizer_template(
             model, optimizer, metadata, strict=strict, in_place=not fresh
         )
+    stateful_plan: StatefulLoad | None = None
     if stateful:
         saved = set(manifest.get("stateful") or ())
         missing = sorted(set(stateful) - saved)
@@ -192,34 +209,96 @@ def _prepare(
                 f"stateful object(s) {missing} were not saved in {str(root)!r} (it holds "
                 f"{sorted(saved)}); pass the names it was saved with"
             )
-        target[_state.STATEFUL] = {
-            name: _state.template(obj.state_dict()) for name, obj in stateful.items()
-        }
+        if manifest.get("stateful_state") is not None:  # format 3: per rank, as saved
+            stateful_plan = plan_stateful(
+                root,
+                manifest,
+                stateful,
+                rank=rank(),
+                world_size=world_size(),
+                map_location=_onto(_state.model_device(model)),
+            )
+            if stateful_plan.targets:
+                target[_state.STATEFUL] = stateful_plan.targets
+        else:  # formats 1 and 2: under one key, into the fresh state's structure
+            target[_state.STATEFUL] = {
+                name: _state.template(obj.state_dict()) for name, obj in stateful.items()
+            }
     return {
         "manifest": manifest,
         "target": target,
         "complete": len(keys) == len(current) == len(_state.saved_entries(metadata, _state.MODEL)),
-        "rng": _rng_state(root, manifest) if rng else None,
+        "rng": _rng_restore(root, manifest, _state.model_device(model)) if rng else None,
         "fresh": fresh,
+        "stateful": stateful_plan,
     }
 
 
-def _rng_state(root: Path, manifest: Mapping[str, Any]) -> RngState | None:
+def _rng_restore(
+    root: Path, manifest: Mapping[str, Any], device: torch.device
+) -> Callable[[], None] | None:
+    """What sets this rank's RNG after the load (read and checked now, applied last).
+
+    At the world size that saved: rank r's saved state. At another: streams derived from
+    the checkpoint (:func:`derived_rng_seed`), the same however the process was seeded.
+    """
     if not manifest.get("rng"):
         return None
-    if int(manifest["world_size"]) != world_size():
+    saved_world = int(manifest["world_size"])
+    if saved_world != world_size():
+        seed = derived_rng_seed(root, manifest, rank())
         log_rank0(
             logger,
             logging.WARNING,
-            "%s was saved on %d rank(s) and is loaded on %d: the RNG states are left as they are",
+            "%s was saved on %d rank(s) and is loaded on %d: each rank's RNG streams are "
+            "derived from the checkpoint's (derive_seed(step, 'checkpoint_io.rng', the saved "
+            "states' digests, rank)), not restored",
             root,
-            manifest["world_size"],
+            saved_world,
             world_size(),
         )
-        return None
+        return lambda: seed_rng(seed, device=device)
+    state = _saved_rng_state(root)
+    return lambda: restore_rng_state(state)
+
+
+def derived_rng_seed(root: Path, manifest: Mapping[str, Any], new_rank: int) -> int:
+    """The seed of rank ``new_rank``'s streams after a load at another world size.
+
+    ``derive_seed(step, "checkpoint_io.rng", digests, new_rank)`` (rng-fork's derivation):
+    ``step`` is the checkpoint's (0 when none), ``digests`` the digests of every saved rank's
+    RNG file in rank order (the manifest's; format 1: xxh3-128 of the files), so the streams
+    depend on the checkpoint and the rank alone. The CPU generator and this rank's device
+    generator are seeded with it (rng-fork's ``seed_rng``).
+    """
+    files = manifest.get("files") or {}
+    parts = []
+    for saved_rank in range(int(manifest["world_size"])):
+        name = f"{RNG_DIR}/rank{saved_rank}.pt"
+        entry = files.get(name)
+        if entry is not None:
+            parts.append(str(entry.get("xxh3_128") or entry.get("wsum64")))
+        else:
+            file = inside(root, name, source=str(root / "checkpoint.json"))
+            parts.append(file_entry(file)["xxh3_128"])
+    step = manifest.get("step")
+    return derive_seed(
+        step if isinstance(step, int) and step >= 0 else 0,
+        "checkpoint_io.rng",
+        "/".join(parts),
+        new_rank,
+    )
+
+
+def _saved_rng_state(root: Path) -> RngState:
     file = root / RNG_DIR / f"rank{rank()}.pt"
     try:
         state: RngState = torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{file} was refused as unsafe: it holds something other than an RNG state "
+            f"({_first_line(error)}). Nothing was loaded"
+        ) from None
     except Exception as error:
         raise CheckpointError(f"{file} is missing or corrupt ({_first_line(error)})") from None
     device = state.get("device")
@@ -245,6 +324,20 @@ def _rng_state(root: Path, manifest: Mapping[str, Any]) -> RngState | None:
             )
             state = {**state, "device": {**device, "index": current}}
     return state
+
+
+def _onto(device: torch.device) -> Any:
+    """``torch.load``'s ``map_location``: host tensors stay, device tensors go to ``device``.
+
+    For a state saved on another rank's GPU, or from a GPU into a CPU process.
+    """
+
+    def remap(storage: Any, location: str) -> Any:
+        if location == "cpu":
+            return storage
+        return default_restore_location(storage, str(device))  # type: ignore[no-untyped-call]
+
+    return remap
 
 
 def _current_index(kind: str) -> int | None:

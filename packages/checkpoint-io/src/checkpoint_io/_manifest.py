@@ -11,7 +11,9 @@ from checkpoint_io._errors import CheckpointError
 
 FORMAT = "checkpoint_io"
 # 2: a table of every file's size and checksum ("files") replaces the gathered model fingerprint.
-FORMAT_VERSION = 2
+# 3: the files' digests are xxh3_128 (2: wsum64); stateful objects' state is kept per rank
+#    ("stateful_state"); reading runs no code from the checkpoint.
+FORMAT_VERSION = 3
 MANIFEST = "checkpoint.json"
 METADATA_FILE = ".metadata"  # DCP's own index, written by the coordinator
 RNG_DIR = "rng"

@@ -22,15 +22,20 @@ from checkpoint_io import _state
 from checkpoint_io._collective import agree, from_rank0, single_process_quiet
 from checkpoint_io._compat import CheckpointException, dcp_failure
 from checkpoint_io._digest import FileTable, HashingWriter, hash_files
+from checkpoint_io._durable import fsync_dir, fsync_file, fsync_tree
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._inflight import settle_in_flight
 from checkpoint_io._manifest import (
     FORMAT,
     FORMAT_VERSION,
+    MANIFEST,
     METADATA_FILE,
     RNG_DIR,
     write_manifest,
 )
+from checkpoint_io._stateful import StatefulParts
+from checkpoint_io._stateful import collect as collect_stateful
+from checkpoint_io._stateful import file_name as stateful_file
 from dist_core import log_rank0, rank, strategy_of, unwrap_model, world_size
 from rng_fork import RngState, capture_rng_state
 
@@ -119,8 +124,8 @@ def _write(
     stateful: Mapping[str, Any] | None,
     rng: bool,
 ) -> None:
-    state = collect_state(model, optimizer, stateful)
-    manifest = new_manifest(model, optimizer, step, extra, stateful, rng)
+    state, parts = collect_state(model, optimizer, stateful)
+    manifest = new_manifest(model, optimizer, step, extra, parts, rng)
     rng_state = capture_rng_state(_state.model_device(model)) if rng else None
     writer = HashingWriter(partial, device=_state.model_device(model))
     try:
@@ -128,16 +133,24 @@ def _write(
             dcp_save(state, storage_writer=writer)
     except CheckpointException as error:  # a BaseException: make it an Exception
         raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
-    finish(partial, target, manifest, writer, rng_state)
+    finish(partial, target, manifest, writer, rng_state, parts=parts)
 
 
 def collect_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     stateful: Mapping[str, Any] | None,
-) -> dict[str, Any]:
-    """The state DCP writes, keyed by plain names (collective: a failure raises everywhere)."""
+) -> tuple[dict[str, Any], StatefulParts | None]:
+    """The state DCP writes, keyed by plain names, and the ``stateful=`` objects' parts.
+
+    Collective: a failure raises everywhere, before anything is written.
+
+    Raises:
+        TypeError: A stateful value that could not be read back safely (on the rank that
+            holds it; the others raise ``CheckpointError`` naming that rank).
+    """
     state: dict[str, Any] = {}
+    parts: StatefulParts | None = None
     failure: BaseException | None = None
     try:
         _state.require_model_device(model, "save_checkpoint")
@@ -145,11 +158,17 @@ def collect_state(
         if optimizer is not None:
             state[_state.OPTIM] = _state.optimizer_state(model, optimizer)
         if stateful:
-            state[_state.STATEFUL] = {name: obj.state_dict() for name, obj in stateful.items()}
+            parts = collect_stateful(stateful)
+            if parts.sharded:  # only the DTensor leaves go through DCP
+                state[_state.STATEFUL] = parts.sharded
     except Exception as error:
         failure = error
-    agree(failure, "collecting the state to save")
-    return state
+    everyone = agree(
+        failure, "collecting the state to save", share=None if parts is None else parts.digests
+    )
+    if parts is not None:
+        parts.everyone = everyone
+    return state, parts
 
 
 def new_manifest(
@@ -157,7 +176,7 @@ def new_manifest(
     optimizer: torch.optim.Optimizer | None,
     step: int | None,
     extra: Mapping[str, Any] | None,
-    stateful: Mapping[str, Any] | None,
+    parts: StatefulParts | None,
     rng: bool,
 ) -> dict[str, Any]:
     """``checkpoint.json`` without its file table (``finish`` adds it)."""
@@ -171,7 +190,8 @@ def new_manifest(
         "model_class": _state.model_class(model),
         "parameters": sum(p.numel() for p in unwrap_model(model).parameters()),
         "optimizer": optimizer is not None,
-        "stateful": sorted(stateful or {}),
+        "stateful": [] if parts is None else sorted(parts.classes),
+        "stateful_state": {} if parts is None else parts.manifest(),
         "rng": rng,
         "extra": dict(extra or {}),
     }
@@ -184,12 +204,17 @@ def finish(
     writer: HashingWriter,
     rng_state: RngState | None,
     group: dist.ProcessGroup | None = None,
+    *,
+    parts: StatefulParts | None = None,
 ) -> None:
-    """After DCP wrote ``partial``: RNG files, the file table, the manifest, the rename.
+    """After DCP wrote ``partial``: RNG and stateful files, file table, manifest, rename.
+
+    Everything is fsynced before the rename.
 
     Collective over ``group``: ``writer`` has the entries of the data files this rank wrote;
     every rank's are gathered to rank 0, which adds ``.metadata``, writes the manifest and
-    publishes. A failure on any rank raises on every rank and nothing is published.
+    publishes once every file and directory is on the disk. A failure on any rank raises on
+    every rank and nothing is published.
     """
     failure: BaseException | None = None
     files: FileTable = {}
@@ -198,6 +223,13 @@ def finish(
             name = f"{RNG_DIR}/rank{rank()}.pt"
             (partial / RNG_DIR).mkdir(parents=True, exist_ok=True)
             torch.save(rng_state, partial / name)
+            fsync_file(partial / name)
+            files.update(hash_files(partial, [name]))
+        if parts is not None and parts.writes_file(rank()):
+            name = stateful_file(rank())
+            (partial / name).parent.mkdir(parents=True, exist_ok=True)
+            (partial / name).write_bytes(parts.blob)
+            fsync_file(partial / name)
             files.update(hash_files(partial, [name]))
         files.update(writer.files)  # summed in a thread since DCP wrote them
     except Exception as error:
@@ -213,6 +245,8 @@ def finish(
             for writer_rank, each in enumerate(tables):
                 table.update({name: {**entry, "rank": writer_rank} for name, entry in each.items()})
             write_manifest(partial, {**manifest, "files": table})
+            fsync_file(partial / MANIFEST)
+            fsync_tree(partial)  # every file's directory entry, then the rename
             _publish(partial, target)
         except Exception as error:
             failure = error
@@ -256,6 +290,7 @@ def _publish(partial: Path, target: Path) -> None:
         if old is not None:
             old.rename(target)
         raise
+    fsync_dir(target.parent)  # the rename is on the disk before the old checkpoint goes
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

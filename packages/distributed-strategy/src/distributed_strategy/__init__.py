@@ -81,6 +81,7 @@ from rng_fork import (
     fork_model_rng,
     fork_rng,
     restore_rng_state,
+    seed_rng,
 )
 from sample_order import SampleOrder
 from strategy_config import (
@@ -164,6 +165,7 @@ __all__ = [
     "resolve_device",
     "restore_rng_state",
     "save_checkpoint",
+    "seed_rng",
     "select_shard_targets",
     "state_fingerprint",
     "strategy_of",

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from rng_fork._fork import fork_model_rng, fork_rng
 from rng_fork._seed import SEED_MAX, SEED_MIN, derive_seed
-from rng_fork._state import DeviceRngState, RngState, capture_rng_state, restore_rng_state
+from rng_fork._state import (
+    DeviceRngState,
+    RngState,
+    capture_rng_state,
+    restore_rng_state,
+    seed_rng,
+)
 
 __all__ = [
     "SEED_MAX",
@@ -16,4 +22,5 @@ __all__ = [
     "fork_model_rng",
     "fork_rng",
     "restore_rng_state",
+    "seed_rng",
 ]

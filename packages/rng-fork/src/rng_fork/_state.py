@@ -9,6 +9,7 @@ import torch
 
 from dist_core import DeviceLike, resolve_device
 from rng_fork._devices import AcceleratorStream, accelerator_stream
+from rng_fork._seed import check_seed
 
 STATE_FORMAT = "rng_fork.state/1"
 
@@ -191,3 +192,20 @@ def _describe(value: object) -> str:
         return f"tensor(dtype={value.dtype}, shape={tuple(value.shape)})"
     text = repr(value)
     return f"{type(value).__name__} ({text[:60]}{'...' if len(text) > 60 else ''})"
+
+
+def seed_rng(seed: int, *, device: DeviceLike | None = None) -> None:
+    """Seed the CPU generator and, for an accelerator ``device``, that device's generator only.
+
+    What ``torch.manual_seed`` does for one rank, without reseeding every other GPU of the
+    process. Afterwards each stream is that of a fresh generator seeded with ``seed``.
+
+    Raises:
+        TypeError, ValueError: A seed that is not an int in ``torch.manual_seed``'s range,
+            before anything is seeded.
+    """
+    value = check_seed(seed, argument="seed")
+    stream = accelerator_stream(resolve_device(device), argument="device")
+    torch.default_generator.manual_seed(value)
+    if stream is not None:
+        stream.seed(value)

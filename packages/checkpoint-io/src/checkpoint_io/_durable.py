@@ -1,0 +1,44 @@
+"""Durable before published: what is written reaches the disk before anything older goes.
+
+A rename is atomic but not durable: after a power or kernel failure the new directory entry,
+the manifest or a data file may be lost while the checkpoint it replaced was already removed.
+Every file checkpoint-io writes, the checkpoint directory and its parent are fsynced before
+the checkpoint is published and before ``overwrite`` or ``keep_last`` removes an older one.
+DCP fsyncs its own data files and ``.metadata`` (``FileSystemWriter(sync_files=True)``, its
+default).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_file(path: Path) -> None:
+    """Flush ``path``'s data and size to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush ``path``'s directory entries (files created or renamed in it) to the disk.
+
+    A no-op where directories cannot be opened (Windows).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every directory under ``root`` (and ``root``) once its files are flushed."""
+    for folder, _, _ in os.walk(root):
+        fsync_dir(Path(folder))

@@ -1,0 +1,256 @@
+"""Reading a checkpoint runs none of its code and reads nothing outside its directory.
+
+torch's DCP reads its ``.metadata`` index with ``pickle.load`` and every non-tensor value with
+``torch.load(weights_only=False)``: a checkpoint handed over by someone else (another team, a
+hub) could run anything on load. Here ``.metadata`` goes through an unpickler that admits
+only DCP's metadata types and the torch types they hold, every non-tensor value is read
+``weights_only``, and every file name (the manifest's, DCP's index's) must stay inside the
+checkpoint. Anything else is a :class:`CheckpointError` that says it was refused as unsafe,
+before anything is changed.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+
+from checkpoint_io._compat import EmptyStateDictLoadPlanner, set_element
+from checkpoint_io._errors import CheckpointError
+
+# What DCP's .metadata may hold (module -> names): its own index types and the torch values
+# inside them. Nothing here runs code when rebuilt beyond constructing these values.
+_ADMITTED: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset(
+        {
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        }
+    ),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo"}),
+    "torch.serialization": frozenset({"_get_layout"}),
+    "torch": frozenset({"Size"}),
+    "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}),
+    "collections": frozenset({"OrderedDict"}),
+    "builtins": frozenset({"set", "frozenset", "slice"}),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that builds DCP's metadata types and torch dtypes, and nothing else."""
+
+    def __init__(self, file: Any, source: str) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ADMITTED.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)  # a tensor's dtype (torch.float32, ...)
+        raise CheckpointError(
+            f"{self.source} was refused as unsafe: it would load {module}.{name}, which is "
+            "not part of a checkpoint's index (DCP's metadata types and torch dtypes); it may "
+            "run code. Nothing was loaded; do not use a checkpoint from a source you do not "
+            "trust"
+        )
+
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's ``.metadata`` of the checkpoint at ``path``, read without running its code.
+
+    Raises:
+        CheckpointError: If it holds anything but DCP's metadata types (refused as unsafe),
+            or cannot be read.
+    """
+    file = path / ".metadata"
+    try:
+        with file.open("rb") as stream:
+            metadata = _MetadataUnpickler(stream, str(file)).load()
+    except CheckpointError:
+        raise
+    except Exception as error:
+        raise CheckpointError(
+            f"{str(path)!r} is damaged: its DCP metadata cannot be read ({type(error).__name__}: "
+            f"{error})"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(
+            f"{file} was refused as unsafe: it holds a {type(metadata).__name__}, not DCP's "
+            "Metadata"
+        )
+    names = {
+        str(info.relative_path)
+        for info in (metadata.storage_data or {}).values()
+        if getattr(info, "relative_path", None) is not None
+    }
+    for name in sorted(names):  # a few files, however many tensors they hold
+        inside(path, name, source=str(file))
+    return metadata
+
+
+def inside(root: Path, name: str, *, source: str) -> Path:
+    """``root / name``, refused unless it stays inside ``root``.
+
+    No absolute path, no ``..``, no symbolic link that leads out.
+
+    Raises:
+        CheckpointError: Naming the file name and where it was found.
+    """
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or Path(name).is_absolute() or ".." in pure.parts or not pure.parts:
+        raise CheckpointError(
+            f"{source} names the file {name!r}, which is outside the checkpoint directory; "
+            "refused as unsafe (a checkpoint's files are relative paths inside it)"
+        )
+    path = root / name
+    base = os.path.realpath(root)
+    if os.path.commonpath([base, os.path.realpath(path)]) != base:
+        raise CheckpointError(
+            f"{source} names the file {name!r}, which leads outside the checkpoint directory "
+            f"(to {os.path.realpath(path)!r}, through a symbolic link); refused as unsafe"
+        )
+    return path
+
+
+def load_value(data: io.BytesIO | bytes, what: str, map_location: Any = None) -> Any:
+    """A non-tensor value read ``weights_only`` (tensors, containers and primitives only).
+
+    Raises:
+        CheckpointError: Naming ``what`` when the value holds anything else (refused as
+            unsafe) or cannot be read.
+    """
+    stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    try:
+        # io.BytesIO is admitted: the optimizer's parameter groups are stored as one (its
+        # bytes are read weights_only in turn); rebuilding one runs nothing.
+        with torch.serialization.safe_globals([io.BytesIO]):
+            return torch.load(stream, weights_only=True, map_location=map_location)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{what} was refused as unsafe: it holds something other than tensors, containers "
+            f"and plain values, which reading could run ({_first_line(error)}). Nothing was "
+            "loaded"
+        ) from None
+    except Exception as error:
+        raise CheckpointError(f"{what} cannot be read ({type(error).__name__}: {error})") from None
+
+
+def require_safe_value(value: Any, what: str) -> None:
+    """Refuse at save time a value that could not be read back ``weights_only``.
+
+    Raises:
+        TypeError: Naming ``what`` and the first type that ``weights_only`` refuses.
+    """
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    try:
+        with torch.serialization.safe_globals([io.BytesIO]):
+            torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise TypeError(
+            f"{what} holds a value that a checkpoint cannot read back safely "
+            f"({_first_line(error)}); save tensors, numbers, strings, lists and dicts of them "
+            "(convert other objects in state_dict(), or leave it out of stateful=)"
+        ) from None
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader whose index (``.metadata``) is read by :func:`read_metadata`."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(str(path))
+        self.root = path
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The index, read without running code, every file name inside the checkpoint."""
+        metadata = read_metadata(self.root)
+        meta = metadata.storage_meta
+        if meta is None:
+            meta = metadata.storage_meta = StorageMeta()
+        meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeBytes:
+    """A load planner's ``load_bytes`` reading every non-tensor value ``weights_only``."""
+
+    flatten_state_dict: bool
+    original_state_dict: Any
+    mappings: Any
+    state_dict: Any
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Read one non-tensor value; refuse anything but tensors, containers and primitives."""
+        loaded = load_value(value, f"the checkpoint's value {read_item.dest_index.fqn!r}")
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
+    """DCP's load planner, every non-tensor value read ``weights_only``."""
+
+
+class SafeWholePlanner(_SafeBytes, EmptyStateDictLoadPlanner):
+    """DCP's planner that rebuilds the whole state from the index, values ``weights_only``."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else type(error).__name__
+
+
+def unsafe_cause(error: BaseException) -> CheckpointError | None:
+    """The refusal inside a DCP failure (DCP wraps what a rank raised), or ``None``."""
+    if isinstance(error, CheckpointError):
+        return error
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            found = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(found, CheckpointError):
+                return found
+    cause = error.__cause__ or error.__context__
+    return unsafe_cause(cause) if cause is not None else None
+
+
+def check_values(root: Path, metadata: Metadata) -> None:
+    """Read every non-tensor value of the checkpoint ``weights_only`` before anything is loaded.
+
+    They are small (hyperparameters, step counters, plain Python state); reading them first
+    means an unsafe one is refused before any tensor of the model is overwritten.
+
+    Raises:
+        CheckpointError: Naming the first value refused as unsafe, or a file outside.
+    """
+    kinds = metadata.state_dict_metadata
+    values = [
+        (index, info)
+        for index, info in (metadata.storage_data or {}).items()
+        if isinstance(kinds.get(index.fqn), BytesStorageMetadata)
+    ]
+    for index, info in sorted(values, key=lambda item: item[0].fqn):
+        if getattr(info, "transform_descriptors", None):
+            continue  # an encoded value: read (weights_only) by the load planner instead
+        file = inside(root, str(info.relative_path), source=str(root / ".metadata"))
+        with file.open("rb") as stream:
+            stream.seek(int(info.offset))
+            data = stream.read(int(info.length))
+        load_value(data, f"the checkpoint's value {index.fqn!r} (in {file.name})")

@@ -1,0 +1,358 @@
+"""Checkpoints you can trust: reading runs none of their code and nothing outside them; a
+well-kept digest; durable before anything older goes; stateful values load as saved."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+from torch import nn
+
+from checkpoint_io import (
+    CheckpointError,
+    CheckpointManager,
+    consolidate_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+class Payload:
+    """What a hostile checkpoint holds: unpickling it runs a shell command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+class Holder:
+    """A stateful object whose state is whatever it was given."""
+
+    def __init__(self, state: Any = None) -> None:
+        self.state = state
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state: Any) -> None:
+        self.state = state
+
+
+def _trained() -> tuple[Small, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Small()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _rehash(path: Path, name: str) -> None:
+    """Record ``name``'s current size and digest in the manifest (as an attacker would)."""
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    data = (path / name).read_bytes()
+    entry = manifest["files"].setdefault(name, {"rank": 0})
+    entry.update({"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()})
+    (path / "checkpoint.json").write_text(json.dumps(manifest))
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(model: nn.Module, snapshot: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(v, snapshot[k]) for k, v in model.state_dict().items())
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "checkpoint_io", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_a_crafted_metadata_runs_nothing_anywhere(tmp_path: Path) -> None:
+    model, optimizer = _trained()
+    path = save_checkpoint(tmp_path / "run" / "step-1", model, optimizer, step=1)
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    _rehash(path, ".metadata")
+    fresh = Small()
+    before = _snapshot(fresh)
+    for verify in (True, False):
+        with pytest.raises(
+            CheckpointError, match="was refused as unsafe: it would load posix.system"
+        ):
+            load_checkpoint(path, fresh, verify=verify)
+    with pytest.raises(CheckpointError, match="refused as unsafe"):
+        consolidate_checkpoint(path, tmp_path / "one.pt")
+    assert latest_checkpoint(tmp_path / "run") is None  # skipped as damaged, not read
+    assert CheckpointManager(tmp_path / "run", every=1).resume(fresh) == 0
+    done = _cli("inspect", str(path))
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "refused as unsafe" in done.stderr, done.stderr
+    assert not marker.exists()  # the payload never ran
+    assert _same(fresh, before) and not (tmp_path / "one.pt").exists()
+
+
+def test_a_crafted_value_runs_nothing(tmp_path: Path) -> None:
+    """A stateful file and a DCP value replaced by payloads: refused, nothing changed."""
+    model, optimizer = _trained()
+    path = save_checkpoint(tmp_path / "c", model, optimizer, stateful={"sched": Holder({"a": 1})})
+    marker = tmp_path / "pwned"
+    torch.save({"sched": Payload(marker)}, path / "stateful" / "rank0.pt")
+    _rehash(path, "stateful/rank0.pt")
+    fresh, holder = Small(), Holder("untouched")
+    before = _snapshot(fresh)
+    for verify in (True, False):
+        with pytest.raises(CheckpointError) as refused:
+            load_checkpoint(path, fresh, stateful={"sched": holder}, verify=verify)
+        assert "the stateful state of rank 0" in str(refused.value)
+        assert "was refused as unsafe" in str(refused.value)
+    # A non-tensor value inside DCP's own files (written by someone else's dcp.save).
+    import torch.distributed.checkpoint as dcp
+
+    other = tmp_path / "other"
+    save_checkpoint(other, model, optimizer)
+    state = {"model": model.state_dict(), "evil": Payload(marker)}
+    with pytest.warns(UserWarning):
+        dcp.save(state, checkpoint_id=str(other))
+    for name in [".metadata", *(p.name for p in other.glob("*.distcp"))]:
+        _rehash(other, name)
+    with pytest.raises(CheckpointError, match="the checkpoint's value 'evil'.*refused as unsafe"):
+        load_checkpoint(other, fresh)
+    with pytest.raises(CheckpointError, match="refused as unsafe"):
+        consolidate_checkpoint(other, tmp_path / "one.pt")
+    assert not marker.exists()
+    assert _same(fresh, before) and holder.state == "untouched"
+
+
+def test_a_stateful_value_that_cannot_be_read_back_safely_is_refused_at_save(
+    tmp_path: Path,
+) -> None:
+    model, _ = _trained()
+    with pytest.raises(TypeError, match=r"stateful\['odd'\] \(Holder\) holds a value that a"):
+        save_checkpoint(tmp_path / "c", model, stateful={"odd": Holder({"x": Holder()})})
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+@pytest.mark.parametrize("name", ["../outside.bin", "/etc/hostname"])
+def test_names_outside_the_checkpoint_are_refused(tmp_path: Path, name: str) -> None:
+    model, _ = _trained()
+    path = save_checkpoint(tmp_path / "c", model)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"x" * 64)
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    data = Path(name).read_bytes() if name.startswith("/") else outside.read_bytes()
+    manifest["files"][name] = {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+    (path / "checkpoint.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=f"names the file '{name}', which is outside"):
+        load_checkpoint(path, Small())
+
+
+def test_a_symlink_out_of_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    model, _ = _trained()
+    path = save_checkpoint(tmp_path / "c", model)
+    target = tmp_path / "elsewhere.pt"
+    (path / "rng" / "rank0.pt").rename(target)
+    (path / "rng" / "rank0.pt").symlink_to(target)
+    with pytest.raises(CheckpointError, match="'rng/rank0.pt', which leads outside"):
+        load_checkpoint(path, Small())
+
+
+def _flip(data: bytes, offset: int) -> bytes:
+    return data[:offset] + bytes([data[offset] ^ 1]) + data[offset + 1 :]
+
+
+def _swap_words(data: bytes, offset: int) -> bytes:
+    a, b = data[offset : offset + 8], data[offset + 8 : offset + 16]
+    assert a != b
+    return data[:offset] + b + a + data[offset + 16 :]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: _flip(d, len(d) // 2),
+        lambda d: _swap_words(d, 64),  # two 8-byte words of one block: a plain sum misses it
+        lambda d: d[:-8],
+    ],
+    ids=["flipped-bit", "swapped-words", "truncated-tail"],
+)
+def test_the_digest_detects_damage(tmp_path: Path, damage: Any) -> None:
+    from checkpoint_io._digest import file_entry
+
+    model, _ = _trained()
+    path = save_checkpoint(tmp_path / "c", model)
+    data_file = next(path.glob("*.distcp"))
+    data = data_file.read_bytes()
+    recorded = file_entry(data_file)
+    data_file.write_bytes(damage(data))
+    if len(damage(data)) == len(data):  # the size alone cannot tell
+        assert file_entry(data_file)["xxh3_128"] != recorded["xxh3_128"]
+    with pytest.raises(CheckpointError, match="verification failed|truncated or corrupt"):
+        load_checkpoint(path, Small())
+
+
+def _wsum64(data: bytes) -> str:
+    """Format 2's checksum, from its definition, in plain Python."""
+    block = 64 << 10
+    padded = data + bytes(-len(data) % block)
+    total = weighted = 0
+    for index in range(len(padded) // block):
+        words = struct.unpack(f"<{block // 8}Q", padded[index * block : (index + 1) * block])
+        total += sum(words)
+        weighted += (index + 1) * sum(words)
+    return f"{total % 2**64:016x}{weighted % 2**64:016x}"
+
+
+def test_format_2_still_loads_and_verifies(tmp_path: Path) -> None:
+    model, _ = _trained()
+    path = save_checkpoint(tmp_path / "c", model, step=4)
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    manifest["format_version"] = 2
+    manifest.pop("stateful_state")
+    for name, entry in manifest["files"].items():
+        entry.pop("xxh3_128")
+        entry["wsum64"] = _wsum64((path / name).read_bytes())
+    (path / "checkpoint.json").write_text(json.dumps(manifest))
+    fresh = Small()
+    assert load_checkpoint(path, fresh).step == 4
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True)
+    )
+    data_file = next(path.glob("*.distcp"))
+    data_file.write_bytes(_flip(data_file.read_bytes(), 100))
+    with pytest.raises(CheckpointError, match="verification failed"):
+        load_checkpoint(path, Small())
+
+
+def test_everything_is_fsynced_before_the_old_checkpoint_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from checkpoint_io import _save
+
+    events: list[str] = []
+    fsync, rmtree = os.fsync, shutil.rmtree
+
+    def spy_fsync(fd: int) -> None:
+        events.append("fsync " + os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), tmp_path))
+        fsync(fd)
+
+    def spy_rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        events.append("rmtree " + os.path.relpath(str(path), tmp_path).split("-")[0])
+        rmtree(path, *args, **kwargs)
+
+    model, _ = _trained()
+    save_checkpoint(tmp_path / "c", model, stateful={"h": Holder({"a": 1})})
+    monkeypatch.setattr(os, "fsync", spy_fsync)
+    monkeypatch.setattr(_save.shutil, "rmtree", spy_rmtree)
+    save_checkpoint(tmp_path / "c", model, stateful={"h": Holder({"a": 2})}, overwrite=True)
+    synced = [e.split(" ", 1)[1] for e in events if e.startswith("fsync")]
+    partial = next(s for s in synced if s.startswith(".c.partial")).split("/")[0]
+    for name in (  # DCP syncs .metadata under its temporary name, then renames it
+        "__0_0.distcp",
+        ".metadata.tmp",
+        "rng/rank0.pt",
+        "stateful/rank0.pt",
+        "checkpoint.json",
+    ):
+        assert f"{partial}/{name}" in synced, (name, synced)
+    for folder in (partial, f"{partial}/rng", f"{partial}/stateful", "."):
+        assert folder in synced, (folder, synced)
+    removal = events.index("rmtree .c.old")
+    assert events.index("fsync .") < removal  # the rename is durable before the old one goes
+    assert load_checkpoint(tmp_path / "c", Small(), stateful={"h": Holder()}).step is None
+
+
+@pytest.mark.parametrize(
+    ("saved", "fresh"),
+    [
+        ({"a": 1, "b": [1, 2]}, None),  # None now, a dict then
+        ({"last_epoch": 3, "lr": [0.1]}, {}),  # a fresh {} got nothing back
+        ([1, 2, 3], [9]),  # a shorter list
+        (None, {"x": 1}),
+        ({"t": torch.arange(3), "n": None}, {"t": torch.zeros(5)}),
+    ],
+    ids=["none-fresh", "empty-fresh", "shorter-list", "none-saved", "tensor-shape"],
+)
+def test_stateful_values_load_as_saved(tmp_path: Path, saved: Any, fresh: Any) -> None:
+    model, _ = _trained()
+    path = save_checkpoint(tmp_path / "c", model, stateful={"s": Holder(saved)})
+    holder = Holder(fresh)
+    load_checkpoint(path, Small(), stateful={"s": holder})
+    if isinstance(saved, dict) and "t" in saved:
+        assert torch.equal(holder.state["t"], saved["t"]) and holder.state["n"] is None
+    else:
+        assert holder.state == saved
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_a_scheduler_and_a_fresh_stateful_dataloader_load_as_saved(tmp_path: Path) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    model, optimizer = _trained()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    generator = torch.Generator().manual_seed(5)
+    loader = StatefulDataLoader(list(range(20)), batch_size=3, shuffle=True, generator=generator)
+    batches = iter(loader)
+    seen = [next(batches).tolist() for _ in range(2)]
+    path = save_checkpoint(
+        tmp_path / "c", model, optimizer, stateful={"sched": scheduler, "loader": loader}
+    )
+    rest = [b.tolist() for b in batches]  # what the uninterrupted run reads next
+    new_model = Small()
+    new_opt = torch.optim.AdamW(new_model.parameters(), lr=0.1)
+    new_sched = torch.optim.lr_scheduler.StepLR(new_opt, step_size=2)
+    fresh = StatefulDataLoader(
+        list(range(20)), batch_size=3, shuffle=True
+    )  # before its first batch
+    load_checkpoint(path, new_model, new_opt, stateful={"sched": new_sched, "loader": fresh})
+    assert new_sched.state_dict() == scheduler.state_dict()
+    assert [b.tolist() for b in fresh] == rest and seen
+
+
+def test_an_object_of_another_kind_is_a_mismatch_not_corruption(tmp_path: Path) -> None:
+    model, optimizer = _trained()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    path = save_checkpoint(tmp_path / "c", model, optimizer, stateful={"sched": scheduler})
+    other = Small()
+    before = _snapshot(other)
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(path, other, stateful={"sched": Holder()})
+    message = str(refused.value)
+    assert "stateful['sched'] was saved from a torch.optim.lr_scheduler.StepLR" in message
+    assert "a different object, not a different state" in message
+    assert "corrupt" not in message and "partly loaded" not in message
+    assert _same(other, before)
