@@ -11,6 +11,15 @@ Stop anywhere and resume anywhere (checkpoint-io): save under DDP, resume under 
     torchrun --nproc-per-node 2 docs/examples/train.py --strategy ddp --steps 2 --save ckpt
     torchrun --nproc-per-node 2 docs/examples/train.py --strategy fsdp --steps 4 --resume ckpt
 
+A global batch that stays the same on any number of ranks (sample-order): each step reads the
+same samples whether 4, 2 or 1 rank(s) run it, accumulating ``global / (ranks x micro)``
+micro-batches; killed on 4 ranks, it continues on 1 from the latest checkpoint:
+
+    torchrun --nproc-per-node 4 docs/examples/train.py --global-batch 16 --micro-batch 4 \
+        --steps 6 --ckpt-dir runs/any --ckpt-every 2
+    torchrun --nproc-per-node 1 docs/examples/train.py --global-batch 16 --micro-batch 4 \
+        --steps 6 --ckpt-dir runs/any --ckpt-every 2
+
 A long, preemptible run: a checkpoint every 2 steps, the last 3 kept, written in the
 background, saved on SIGTERM, and resumed by itself from the latest complete checkpoint when
 torchrun restarts the job (a rank killed at any moment, a save included):
@@ -31,7 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
+import hashlib
 import logging
 import os
 import signal
@@ -44,9 +53,11 @@ from torch import nn
 
 from distributed_strategy import (
     CheckpointManager,
+    SampleOrder,
     clip_grad_norm,
     derive_seed,
     full_state_dict,
+    init_distributed,
     load_checkpoint,
     no_sync,
     prepare_model,
@@ -104,6 +115,15 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--batch-size", type=int, default=8, help="per rank per optimizer step")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="samples per optimizer step over all ranks, read in sample-order's order (the "
+        "same batches at any world size); accumulation is global / (ranks x --micro-batch)",
+    )
+    parser.add_argument("--micro-batch", type=int, default=4, help="with --global-batch")
+    parser.add_argument("--samples", type=int, default=256, help="dataset size (--global-batch)")
     parser.add_argument("--clip", type=float, default=None, help="max gradient norm")
     parser.add_argument("--save", default=None, help="checkpoint directory to write at the end")
     parser.add_argument("--resume", default=None, help="checkpoint directory to resume from")
@@ -126,16 +146,20 @@ def main() -> None:
         parser.error("--grad-accum must be >= 1 and divide --batch-size")
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    timeout = datetime.timedelta(seconds=args.pg_timeout_s)
-    if cuda:  # the device first, then the group bound to it (as torch recommends)
-        torch.cuda.set_device(device)
-        init_process_group("nccl", timeout, device_id=device)
-    else:
-        init_process_group("gloo", timeout)
-    rank = dist.get_rank()
+    # NCCL bound to this rank's GPU where CUDA is available (gloo elsewhere), a store prefix
+    # per torchrun attempt, the timeout after which a rank whose peer died fails.
+    device = init_distributed(timeout=args.pg_timeout_s)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    order = None
+    if args.global_batch is not None:
+        if args.global_batch % (world * args.micro_batch):
+            parser.error(
+                f"--global-batch {args.global_batch} is not divisible by {world} rank(s) x "
+                f"--micro-batch {args.micro_batch}"
+            )
+        args.grad_accum = args.global_batch // (world * args.micro_batch)
+        order = SampleOrder(args.samples, global_batch=args.global_batch, seed=args.seed)
+        dataset = torch.randn(args.samples, 32, generator=torch.Generator().manual_seed(args.seed))
     try:
         model = prepare_model(
             TinyNet,
@@ -162,11 +186,22 @@ def main() -> None:
             )
             first = manager.resume(model, optimizer)
         for step in range(first, args.steps):
-            # The data of a step depends only on (seed, rank, step): a resumed run sees the same.
-            data = torch.Generator().manual_seed(derive_seed(args.seed, "data", rank, step))
-            x = torch.randn(args.batch_size, 32, generator=data).to(device)
-            y = x.sum(dim=1, keepdim=True).div(32)
-            micro = list(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum), strict=True))
+            if order is None:
+                # A step's data depends only on (seed, rank, step): a resumed run sees the same.
+                data = torch.Generator().manual_seed(derive_seed(args.seed, "data", rank, step))
+                x = torch.randn(args.batch_size, 32, generator=data).to(device)
+                y = x.sum(dim=1, keepdim=True).div(32)
+                micro = list(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum), strict=True))
+                seen = ""
+            else:  # this rank's share of the step's global batch, the same at any world size
+                parts = order.micro_batches(
+                    step, rank=rank, world_size=world, accum=args.grad_accum
+                )
+                micro = []
+                for indices in parts:
+                    xs = dataset[indices].to(device)
+                    micro.append((xs, xs.sum(dim=1, keepdim=True).div(32)))
+                seen = ", samples " + _consumed([i for part in parts for i in part], world)
             total = 0.0
             for index, (xs, ys) in enumerate(micro):
                 last = index == len(micro) - 1
@@ -182,7 +217,7 @@ def main() -> None:
             optimizer.zero_grad()
             if rank == 0:
                 clipped = f", grad norm {norm.item():.6f}" if args.clip is not None else ""
-                print(f"step {step}: loss {total:.6f}{clipped}")
+                print(f"step {step}: loss {total:.6f}{clipped}{seen}")
             _test_kill(rank, step + 1, "step")
             if manager is not None:
                 _test_kill(rank, step + 1, "save")
@@ -203,23 +238,12 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def init_process_group(backend: str, timeout: datetime.timedelta, **kwargs: Any) -> None:
-    """``init_process_group`` from torchrun's environment, safe across torchrun restarts.
-
-    Every attempt's keys go under their own prefix of torchrun's store: a restarted rank may
-    otherwise read the address a dead rank of the previous attempt left there, and fail to
-    connect ("Connection refused", seen here in 1 run of 3 with gloo).
-    """
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(f"attempt-{attempt}", store),
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        **kwargs,
-    )
+def _consumed(mine: list[int], world: int) -> str:
+    """A digest of the sample indices every rank read this step (collective)."""
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    indices = sorted(i for part in everyone for i in part)
+    return hashlib.sha256(str(indices).encode()).hexdigest()[:12]
 
 
 def _test_kill(rank: int, steps_done: int, where: str) -> None:

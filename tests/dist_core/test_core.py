@@ -253,3 +253,56 @@ def test_nested_memory_peaks_do_not_erase_each_other(monkeypatch: pytest.MonkeyP
     with MemoryPeak(device, host=False) as after:  # closed readings are no longer updated
         allocator.alloc(1000)
     assert after.device_peak == 1110 and outer.device_peak == 300
+
+
+def test_init_distributed_from_the_environment() -> None:
+    """gloo on a CPU host, this rank's device back, a per-attempt store prefix, one call only;
+    a missing launcher variable and bad arguments are named before anything starts."""
+    out = fresh_interpreter(
+        """
+import datetime, os, socket
+import torch.distributed as dist
+from dist_core import DEFAULT_TIMEOUT, init_distributed
+try:
+    init_distributed()
+except ValueError as error:
+    print("missing:", error)
+for bad in ({"timeout": 0}, {"timeout": "1"}, {"backend": 3}):
+    try:
+        init_distributed(**bad)
+    except (TypeError, ValueError) as error:
+        print("bad:", type(error).__name__, error)
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1",
+                  LOCAL_RANK="0", TORCHELASTIC_RESTART_COUNT="3")
+device = init_distributed(timeout=30)
+print("device:", device, dist.get_backend(), dist.get_world_size())
+store = dist.distributed_c10d._get_default_store()  # default_pg's prefix over ours
+store.set("probe", "1")
+raw = store._underlying_non_prefix_store
+print("prefixed:", sorted({key.split("/")[0] for key in raw.list_keys()}))
+try:
+    init_distributed()
+except RuntimeError as error:
+    print("again:", error)
+dist.barrier()
+dist.destroy_process_group()
+print("default timeout:", DEFAULT_TIMEOUT)
+"""
+    )
+    assert (
+        "missing: init_distributed: the environment lacks MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; start the processes with torchrun"
+        in out
+    )
+    assert "bad: ValueError timeout must be positive, got 0 s" in out
+    assert "bad: TypeError timeout must be a datetime.timedelta or seconds, got str" in out
+    assert "bad: TypeError backend must be a string or None, got int" in out
+    assert "device: cpu gloo 1" in out
+    assert "prefixed: ['attempt-3']" in out  # every key of this attempt under its prefix
+    assert (
+        "again: init_distributed: the default process group is already initialized (backend 'gloo', 1 ranks)"
+        in out
+    )
+    assert "default timeout: 0:10:00" in out

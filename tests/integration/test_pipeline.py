@@ -102,7 +102,11 @@ def test_uninitialized_process_group() -> None:
 
 
 def _example(
-    *args: str, torchrun: tuple[str, ...] = (), env: dict[str, str] | None = None
+    *args: str,
+    torchrun: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    nproc: int = 2,
+    ok: bool = True,
 ) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
         [
@@ -111,7 +115,7 @@ def _example(
             "torch.distributed.run",
             "--standalone",
             "--nproc-per-node",
-            "2",
+            str(nproc),
             *torchrun,
             str(EXAMPLE),
             *args,
@@ -122,7 +126,7 @@ def _example(
         check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert (result.returncode == 0) is ok, result.stderr[-3000:]
     return result
 
 
@@ -173,6 +177,36 @@ def test_example_trainer_under_torchrun(tmp_path: Path) -> None:
     resumed = _example("--strategy", "ddp", "--steps", "4", "--resume", str(ckpt), *clip)
     assert "step 0:" not in resumed.stdout and "step 2:" in resumed.stdout
     assert _final_sum(resumed) == pytest.approx(expected, rel=1e-6)
+
+
+def _samples(result: subprocess.CompletedProcess[str]) -> dict[int, str]:
+    """Step -> the digest of the sample indices all ranks read in it."""
+    found = re.findall(r"^step (\d+): .*, samples (\w+)$", result.stdout, re.MULTILINE)
+    return {int(step): digest for step, digest in found}
+
+
+@pytest.mark.multiprocess
+def test_resume_on_another_number_of_ranks(tmp_path: Path) -> None:
+    """One global batch of 16 per step (sample-order), 4 micro-batches of 4 per rank-step:
+    killed on 4 ranks after 3 steps, continued on 1 (accumulating 4) from step-2, it reads the
+    same samples per step and ends at the uninterrupted 2-rank run's weights up to float
+    reduction order; saved in one process under FSDP, continued on 2 ranks, the same."""
+    common = ("--global-batch", "16", "--micro-batch", "4", "--steps", "6", "--pg-timeout-s", "20")
+    straight = _example(*common)
+    expected, order = _final_sum(straight), _samples(straight)
+    assert sorted(order) == list(range(6))
+    ckpt = ("--ckpt-dir", str(tmp_path / "any"), "--ckpt-every", "2")
+    killed = _example(*common, *ckpt, nproc=4, ok=False, env={"TRAIN_TEST_KILL": "0:1:3:step"})
+    assert {s: d for s, d in _samples(killed).items() if s < 3} == {s: order[s] for s in range(3)}
+    resumed = _example(*common, *ckpt, nproc=1)
+    assert "resuming from" in resumed.stderr and "loaded on 1: each rank's RNG" in resumed.stderr
+    assert _samples(resumed) == {s: order[s] for s in range(2, 6)}
+    assert _final_sum(resumed) == pytest.approx(expected, rel=1e-6)
+    one = ("--strategy", "fsdp", "--global-batch", "16", "--micro-batch", "4")
+    _example(*one, "--steps", "2", "--save", str(tmp_path / "one"), nproc=1)
+    two = _example(*one, "--steps", "6", "--resume", str(tmp_path / "one"))
+    assert _samples(two) == {s: order[s] for s in range(2, 6)}
+    assert _final_sum(two) == pytest.approx(expected, rel=1e-6)
 
 
 _STORY = r"resuming from|no checkpoint under|exitcode|left by a save|published|in the background"

@@ -17,6 +17,7 @@ from dist_core._devices import (
     resolve_device,
 )
 from dist_core._group import is_distributed, log_rank0, rank, require_process_group, world_size
+from dist_core._init import DEFAULT_TIMEOUT, init_distributed
 from dist_core._memory import MemoryPeak, current_rss
 from dist_core._wrapped import (
     Strategy,
@@ -27,6 +28,7 @@ from dist_core._wrapped import (
 )
 
 __all__ = [
+    "DEFAULT_TIMEOUT",
     "DeviceLike",
     "MemoryPeak",
     "Strategy",
@@ -36,6 +38,7 @@ __all__ = [
     "check_wrap_preconditions",
     "current_rss",
     "fsdp_modules",
+    "init_distributed",
     "is_distributed",
     "log_rank0",
     "on_device",

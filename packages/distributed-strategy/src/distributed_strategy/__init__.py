@@ -25,6 +25,7 @@ from ddp_wrap import (
     wrap_module_ddp,
 )
 from dist_core import (
+    DEFAULT_TIMEOUT,
     DeviceLike,
     MemoryPeak,
     Strategy,
@@ -34,6 +35,7 @@ from dist_core import (
     check_wrap_preconditions,
     current_rss,
     fsdp_modules,
+    init_distributed,
     is_distributed,
     log_rank0,
     on_device,
@@ -101,6 +103,7 @@ __all__ = [
     "BROADCAST_BUCKET_BYTES",
     "BUILD_SOURCES",
     "DEFAULT_DISTRIBUTED_STRATEGY",
+    "DEFAULT_TIMEOUT",
     "DTYPE_NAMES",
     "SEED_MAX",
     "SEED_MIN",
@@ -142,6 +145,7 @@ __all__ = [
     "fsdp_modules",
     "full_state_dict",
     "hsdp_mesh",
+    "init_distributed",
     "is_ddp_strategy",
     "is_distributed",
     "latest_checkpoint",
