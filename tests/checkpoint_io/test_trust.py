@@ -356,3 +356,54 @@ def test_an_object_of_another_kind_is_a_mismatch_not_corruption(tmp_path: Path) 
     assert "a different object, not a different state" in message
     assert "corrupt" not in message and "partly loaded" not in message
     assert _same(other, before)
+
+
+def test_a_metadata_that_changes_a_class_or_points_out_is_refused(tmp_path: Path) -> None:
+    """BUILD on an admitted class (it would change the class for the whole process) and a
+    storage entry whose file name is not a string (a Windows path joined outside)."""
+    import pathlib
+
+    model, _ = _trained()
+    path = save_checkpoint(tmp_path / "c", model)
+    real = (path / ".metadata").read_bytes()
+    # GLOBAL pathlib.PosixPath, {"name": 1}, BUILD: setattr on the class itself.
+    (path / ".metadata").write_bytes(b"cpathlib\nPosixPath\n}X\x04\x00\x00\x00nameK\x01sb.")
+    _rehash(path, ".metadata")
+    with pytest.raises(CheckpointError, match="a change to the class pathlib.PosixPath"):
+        load_checkpoint(path, Small())
+    assert "name" not in vars(pathlib.PosixPath)  # the class was not changed
+    metadata = pickle.loads(real)
+    index = next(iter(metadata.storage_data))
+    info = metadata.storage_data[index]
+    info.relative_path = pathlib.PureWindowsPath("..\\..\\other\\x.distcp")  # type: ignore[assignment]
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    _rehash(path, ".metadata")
+    with pytest.raises(CheckpointError, match="is not a file name with a non-negative offset"):
+        load_checkpoint(path, Small())
+
+
+def test_an_overwrite_killed_between_its_renames_is_restored(tmp_path: Path) -> None:
+    model, _ = _trained()
+    run = tmp_path / "run"
+    save_checkpoint(run / "step-2", model, step=2)
+    (run / "step-2").rename(
+        run / ".step-2.old-0123456789ab"
+    )  # the old one moved aside, then killed
+    assert CheckpointManager(run, every=1).resume(Small()) == 2
+    assert sorted(p.name for p in run.iterdir()) == ["step-2"]
+
+
+def test_stateful_keys_are_kept_apart_and_ordered_dicts_stay(tmp_path: Path) -> None:
+    import collections
+
+    model, _ = _trained()
+    with pytest.raises(TypeError, match="may not use the key '__checkpoint_io_sharded__'"):
+        save_checkpoint(
+            tmp_path / "a", model, stateful={"s": Holder({"__checkpoint_io_sharded__": 1})}
+        )
+    ordered = collections.OrderedDict([("b", 1), ("a", torch.ones(2))])
+    path = save_checkpoint(tmp_path / "b", model, stateful={"s": Holder({"inner": ordered})})
+    holder = Holder()
+    load_checkpoint(path, Small(), stateful={"s": holder})
+    assert type(holder.state["inner"]) is collections.OrderedDict
+    assert list(holder.state["inner"]) == ["b", "a"]

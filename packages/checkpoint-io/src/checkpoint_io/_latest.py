@@ -113,11 +113,25 @@ def prune(root: Path, keep_last: int) -> list[Path]:
 
 
 def remove_leftovers(root: Path) -> list[Path]:
-    """Remove the temporary directories of saves that never finished (a killed job)."""
+    """Remove the temporary directories of saves that never finished (a killed job).
+
+    An overwrite moves the old checkpoint aside (``.step-N.old-*``) before renaming the new
+    one into place: a job killed between the two renames leaves no ``step-N``. The old one is
+    then put back rather than removed.
+    """
     if not root.is_dir():
         return []
-    leftovers = [child for child in root.iterdir() if _PARTIAL.match(child.name)]
-    for path in leftovers:
-        shutil.rmtree(path, ignore_errors=True)
-        logger.info("removed %s, left by a save that did not finish", path)
+    leftovers = []
+    for child in sorted(root.iterdir()):
+        match = _PARTIAL.match(child.name)
+        if not match:
+            continue
+        target = root / child.name[1:].split(".", 1)[0]
+        if match.group(1) == "old" and not target.exists():
+            child.rename(target)
+            logger.warning("restored %s: an overwrite was killed between its renames", target)
+            continue
+        shutil.rmtree(child, ignore_errors=True)
+        logger.info("removed %s, left by a save that did not finish", child)
+        leftovers.append(child)
     return leftovers

@@ -114,7 +114,8 @@ def load_checkpoint(
         agree(failure, f"verifying {str(root)!r}")
     try:
         with single_process_quiet():
-            dcp_load(plan["target"], storage_reader=SafeReader(root), planner=SafeLoadPlanner())
+            reader = SafeReader(root, plan["metadata"])  # the index read (and checked) once
+            dcp_load(plan["target"], storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointException as error:
         unsafe = unsafe_cause(error)
         if unsafe is not None:  # checked before the load: only an encoded value gets here
@@ -231,6 +232,7 @@ def _prepare(
         "rng": _rng_restore(root, manifest, _state.model_device(model)) if rng else None,
         "fresh": fresh,
         "stateful": stateful_plan,
+        "metadata": metadata,
     }
 
 
@@ -291,7 +293,7 @@ def derived_rng_seed(root: Path, manifest: Mapping[str, Any], new_rank: int) -> 
 
 
 def _saved_rng_state(root: Path) -> RngState:
-    file = root / RNG_DIR / f"rank{rank()}.pt"
+    file = inside(root, f"{RNG_DIR}/rank{rank()}.pt", source=str(root / "checkpoint.json"))
     try:
         state: RngState = torch.load(file, weights_only=True)
     except pickle.UnpicklingError as error:

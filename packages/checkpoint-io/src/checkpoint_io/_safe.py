@@ -15,7 +15,7 @@ import io
 import os
 import pickle
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -45,28 +45,53 @@ _ADMITTED: dict[str, frozenset[str]] = {
     "torch.serialization": frozenset({"_get_layout"}),
     "torch": frozenset({"Size"}),
     "pathlib": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}),
+    "pathlib._local": frozenset({"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}),
     "collections": frozenset({"OrderedDict"}),
     "builtins": frozenset({"set", "frozenset", "slice"}),
 }
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """An unpickler that builds DCP's metadata types and torch dtypes, and nothing else."""
+_DTYPES = frozenset(name for name, value in vars(torch).items() if isinstance(value, torch.dtype))
+"""torch's dtypes by name (read from the module's namespace: ``getattr`` would import)."""
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """An unpickler that builds DCP's metadata types and torch dtypes, and nothing else.
+
+    The pure-Python unpickler, so that ``BUILD`` can be refused on a class (which would change
+    the admitted class for the whole process) and persistent ids refused.
+    """
+
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
+    stack: list[Any]
 
     def __init__(self, file: Any, source: str) -> None:
         super().__init__(file)
         self.source = source
 
+    def _load_build(self) -> None:
+        target = self.stack[-2] if len(self.stack) > 1 else None
+        if isinstance(target, type):
+            raise self._refuse(f"a change to the class {target.__module__}.{target.__qualname__}")
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    dispatch[pickle.BUILD[0]] = _load_build
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise self._refuse("a persistent id")
+
     def find_class(self, module: str, name: str) -> Any:
         if name in _ADMITTED.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)  # a tensor's dtype (torch.float32, ...)
-        raise CheckpointError(
-            f"{self.source} was refused as unsafe: it would load {module}.{name}, which is "
-            "not part of a checkpoint's index (DCP's metadata types and torch dtypes); it may "
-            "run code. Nothing was loaded; do not use a checkpoint from a source you do not "
-            "trust"
+        if module == "torch" and name in _DTYPES:
+            return vars(torch)[name]  # a tensor's dtype (torch.float32, ...)
+        raise self._refuse(f"{module}.{name}")
+
+    def _refuse(self, what: str) -> CheckpointError:
+        return CheckpointError(
+            f"{self.source} was refused as unsafe: it would load {what}, which is not part of "
+            "a checkpoint's index (DCP's metadata types and torch dtypes); it may run code. "
+            "Nothing was loaded; do not use a checkpoint from a source you do not trust"
         )
 
 
@@ -93,11 +118,19 @@ def read_metadata(path: Path) -> Metadata:
             f"{file} was refused as unsafe: it holds a {type(metadata).__name__}, not DCP's "
             "Metadata"
         )
-    names = {
-        str(info.relative_path)
-        for info in (metadata.storage_data or {}).values()
-        if getattr(info, "relative_path", None) is not None
-    }
+    names = set()
+    for info in (metadata.storage_data or {}).values():
+        relative, offset, length = (
+            getattr(info, k, None) for k in ("relative_path", "offset", "length")
+        )
+        if type(relative) is not str or not all(
+            type(n) is int and n >= 0 for n in (offset, length)
+        ):
+            raise CheckpointError(
+                f"{file} was refused as unsafe: a storage entry is not a file name with a "
+                f"non-negative offset and length ({relative!r}, {offset!r}, {length!r})"
+            )
+        names.add(relative)
     for name in sorted(names):  # a few files, however many tensors they hold
         inside(path, name, source=str(file))
     return metadata
@@ -119,10 +152,16 @@ def inside(root: Path, name: str, *, source: str) -> Path:
         )
     path = root / name
     base = os.path.realpath(root)
-    if os.path.commonpath([base, os.path.realpath(path)]) != base:
+    try:
+        real = os.path.realpath(path)
+    except (ValueError, OSError) as error:  # a NUL byte, a loop of links
+        raise CheckpointError(
+            f"{source} names the file {name!r}, which cannot be resolved ({error})"
+        ) from None
+    if os.path.commonpath([base, real]) != base:
         raise CheckpointError(
             f"{source} names the file {name!r}, which leads outside the checkpoint directory "
-            f"(to {os.path.realpath(path)!r}, through a symbolic link); refused as unsafe"
+            f"(to {real!r}, through a symbolic link); refused as unsafe"
         )
     return path
 
@@ -137,9 +176,13 @@ def load_value(data: io.BytesIO | bytes, what: str, map_location: Any = None) ->
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     try:
         # io.BytesIO is admitted: the optimizer's parameter groups are stored as one (its
-        # bytes are read weights_only in turn); rebuilding one runs nothing.
+        # bytes are read weights_only in turn, below); rebuilding one runs nothing.
         with torch.serialization.safe_globals([io.BytesIO]):
-            return torch.load(stream, weights_only=True, map_location=map_location)
+            value = torch.load(stream, weights_only=True, map_location=map_location)
+        _check_buffers(value, what)
+        return value
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as error:
         raise CheckpointError(
             f"{what} was refused as unsafe: it holds something other than tensors, containers "
@@ -148,6 +191,29 @@ def load_value(data: io.BytesIO | bytes, what: str, map_location: Any = None) ->
         ) from None
     except Exception as error:
         raise CheckpointError(f"{what} cannot be read ({type(error).__name__}: {error})") from None
+
+
+def _check_buffers(value: Any, what: str) -> None:
+    """Every ``BytesIO`` inside ``value`` is a plain one whose bytes read ``weights_only``.
+
+    A pickled ``BytesIO`` may carry an attribute dict (its methods replaced by other values);
+    one that does is refused, and the bytes of the others are read as values in turn.
+    """
+    if isinstance(value, io.BytesIO):
+        if type(value) is not io.BytesIO or vars(value):
+            raise CheckpointError(
+                f"{what} was refused as unsafe: it holds a byte buffer with attributes of its "
+                "own. Nothing was loaded"
+            )
+        position = value.tell()
+        load_value(value.getvalue(), what)
+        value.seek(position)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_buffers(item, what)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _check_buffers(item, what)
 
 
 def require_safe_value(value: Any, what: str) -> None:
@@ -173,13 +239,14 @@ def require_safe_value(value: Any, what: str) -> None:
 class SafeReader(FileSystemReader):
     """DCP's file reader whose index (``.metadata``) is read by :func:`read_metadata`."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, metadata: Metadata | None = None) -> None:
         super().__init__(str(path))
         self.root = path
+        self._metadata = metadata  # already read (and checked) by the caller
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The index, read without running code, every file name inside the checkpoint."""
-        metadata = read_metadata(self.root)
+        metadata = self._metadata if self._metadata is not None else read_metadata(self.root)
         meta = metadata.storage_meta
         if meta is None:
             meta = metadata.storage_meta = StorageMeta()
@@ -253,4 +320,4 @@ def check_values(root: Path, metadata: Metadata) -> None:
         with file.open("rb") as stream:
             stream.seek(int(info.offset))
             data = stream.read(int(info.length))
-        load_value(data, f"the checkpoint's value {index.fqn!r} (in {file.name})")
+        load_value(data, f"the checkpoint's value {index.fqn!r} (in {file.name})", "cpu")

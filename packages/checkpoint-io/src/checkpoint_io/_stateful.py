@@ -17,6 +17,7 @@ the same on every rank (it then loads everywhere) or not (refused, naming the ob
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import io
@@ -98,13 +99,30 @@ def collect(stateful: Mapping[str, Any]) -> StatefulParts:
 
 
 def _split(value: Any, path: tuple[str, ...], found: dict[str, DTensor]) -> Any:
-    """``value`` with each ``DTensor`` leaf replaced by a marker; the leaves into ``found``."""
+    """``value`` with each ``DTensor`` leaf replaced by a marker; the leaves into ``found``.
+
+    Raises:
+        TypeError: A state that uses the marker's key itself, or two sharded leaves whose
+            paths read the same (``{1: ..., "1": ...}``).
+    """
     if isinstance(value, DTensor):
         key = "/".join(path) or "."
+        if key in found:
+            raise TypeError(
+                f"two sharded tensors of the state sit at paths that read the same ({key!r}); "
+                "give their keys distinct names"
+            )
         found[key] = value
         return {_MARK: key}
     if isinstance(value, Mapping):
-        return {k: _split(v, (*path, str(k)), found) for k, v in value.items()}
+        if _MARK in value:
+            raise TypeError(f"a state may not use the key {_MARK!r} (checkpoint-io's own)")
+        items = [(k, _split(v, (*path, str(k)), found)) for k, v in value.items()]
+        return (
+            collections.OrderedDict(items)
+            if type(value) is collections.OrderedDict
+            else dict(items)
+        )
     if isinstance(value, list | tuple) and not _is_namedtuple(value):
         items = [_split(v, (*path, str(i)), found) for i, v in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
@@ -117,7 +135,7 @@ def _join(value: Any, sharded: Mapping[str, torch.Tensor]) -> Any:
     if isinstance(value, dict):
         if set(value) == {_MARK}:
             return sharded[value[_MARK]]
-        return {k: _join(v, sharded) for k, v in value.items()}
+        return type(value)((k, _join(v, sharded)) for k, v in value.items())
     if isinstance(value, list | tuple) and not _is_namedtuple(value):
         items = [_join(v, sharded) for v in value]
         return items if isinstance(value, list) else tuple(items)
@@ -129,9 +147,20 @@ def _is_namedtuple(value: Any) -> bool:
 
 
 def _digest(value: Any) -> str:
+    """A digest of the state's content, the same for equal states on any device."""
     buffer = io.BytesIO()
-    torch.save(value, buffer)
+    torch.save(_on_host(value), buffer)
     return hashlib.sha256(buffer.getvalue()).hexdigest()[:32]
+
+
+def _on_host(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: _on_host(v) for k, v in value.items()}
+    if isinstance(value, list | tuple) and not _is_namedtuple(value):
+        return [_on_host(v) for v in value]
+    return value
 
 
 def _class_name(obj: Any) -> str:
