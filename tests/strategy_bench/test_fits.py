@@ -41,8 +41,8 @@ def test_fits_flips_at_the_rows_own_peak(tmp_path: Path) -> None:
 def test_largest_grows_with_the_world_under_fsdp_only(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A 4 MiB device (after the reserve): the tiny family scaled in depth, at 2 and 8 ranks."""
-    gib = (DEVICE_RESERVE_BYTES + 4 * 2**20) / 2**30
+    """A 3 MiB device (after the reserve): the tiny family scaled in depth, at 2 and 8 ranks."""
+    gib = (DEVICE_RESERVE_BYTES + 3 * 2**20) / 2**30
     args = ["--world-size", "2", "8", "--device-memory", repr(gib), "--largest"]
     args += ["--gpus-per-node", "4"]  # 8 ranks are 2 nodes: an HSDP line sharded over 4
     estimate = _estimate(tmp_path, *args)

@@ -6,13 +6,23 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # the backend is chosen first
-
 from strategy_bench.results import MEMORY_KINDS, byte_unit, knob_text, ok_rows
 from strategy_bench.workload import step_knobs
+
+
+def _pyplot() -> Any:
+    """Matplotlib's pyplot on the Agg backend, imported on first use.
+
+    Not at import: every ``strategy-bench`` process and each point's ranks import the bench,
+    and only the report draws (matplotlib's import is about 1 s here).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # the backend is chosen first
+
+    return plt
+
 
 _COLOURS = (
     "#4C72B0",
@@ -81,7 +91,8 @@ def _points(
 
 def _point_figure(groups: Sequence[str]) -> tuple[Any, Any]:
     """A figure wide enough for one bar group per point."""
-    return plt.subplots(figsize=(max(7, 1.8 * len(groups)), 4.8))
+    fig, ax = _pyplot().subplots(figsize=(max(7, 1.8 * len(groups)), 4.8))
+    return fig, ax
 
 
 def _grouped(
@@ -154,13 +165,13 @@ def _width(groups: int, series: int) -> float:
 def _save(fig: Any, path: Path, rect: tuple[float, float, float, float] | None = None) -> Path:
     fig.tight_layout(rect=rect)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
 def _throughput(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
     models, series = _grouped(runs, lambda row: row["samples_per_s"])
-    fig, ax = plt.subplots(figsize=(_width(len(models), len(series)), 4.5))
+    fig, ax = _pyplot().subplots(figsize=(_width(len(models), len(series)), 4.5))
     _bars(ax, models, series, annotate=lambda v: f"{v:.0f}")
     ax.set_ylabel("samples / s (all ranks, higher is better)")
     ratios = _fsdp_over_ddp(runs)
@@ -291,7 +302,7 @@ def _step_spread(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> P
         ]
         for name in series
     }
-    fig, ax = plt.subplots(figsize=(_width(len(models), len(series)), 4.5))
+    fig, ax = _pyplot().subplots(figsize=(_width(len(models), len(series)), 4.5))
     _bars(ax, models, series, annotate=lambda v: f"{v:.1f}", errors=errors)
     ax.set_ylabel("step time, ms: median, whiskers p10-p90")
     ax.set_title("Training step time and its spread", fontsize=10)
@@ -308,7 +319,7 @@ def _init(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path | N
         'source="local" (every rank builds)': [row["init_ms"] for _, row in rows],
         'source="rank0" (build once, broadcast)': [row.get("init_rank0_ms") for _, row in rows],
     }
-    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(groups)), 4.5))
+    fig, ax = _pyplot().subplots(figsize=(max(6, 1.8 * len(groups)), 4.5))
     _bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
     ax.set_ylabel("replica build time, ms (slowest rank)")
     ax.set_title("Replica construction: local vs rank-0 broadcast", fontsize=10)
@@ -321,7 +332,7 @@ def plot_sweep(payload: Mapping[str, Any], path: Path) -> Path:
     Triangles mark points with a knob of the trainer's step (accumulation, checkpointing,
     compile); circles the wrapper's knobs and the defaults.
     """
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    fig, ax = _pyplot().subplots(figsize=(8, 5.5))
     for index, strategy in enumerate(("ddp", "fsdp", "hsdp")):
         rows = [r for r in ok_rows(payload["results"]) if r["strategy"] == strategy]
         if not rows:
@@ -365,7 +376,7 @@ def plot_estimate(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
     unit, scale = byte_unit(max(row["total_bytes"] for row in rows))
     models = list(dict.fromkeys(row["model"] for row in rows))
     variants = list(dict.fromkeys((row["strategy"], knob_text(row["knobs"], ", ")) for row in rows))
-    fig, axes = plt.subplots(
+    fig, axes = _pyplot().subplots(
         len(models),
         len(variants),
         figsize=(3.6 * len(variants), 3.8 * len(models)),
@@ -421,7 +432,7 @@ def plot_largest(entries: Sequence[Mapping[str, Any]], path: Path) -> Path:
     the smallest member fits has no point at that world size.
     """
     models = list(dict.fromkeys(entry["model"] for entry in entries))
-    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
+    fig, axes = _pyplot().subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
     for ax, model in zip(axes[0], models, strict=True):
         mine = [entry for entry in entries if entry["model"] == model]
         lines = list(dict.fromkeys((e["strategy"], knob_text(e["knobs"], ", ")) for e in mine))
@@ -461,7 +472,7 @@ def plot_timeline(rows: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
     if not rows:
         return None
     models = list(dict.fromkeys(row["model"] for row in rows))
-    fig, axes = plt.subplots(len(models), 1, figsize=(8, 3.4 * len(models)), squeeze=False)
+    fig, axes = _pyplot().subplots(len(models), 1, figsize=(8, 3.4 * len(models)), squeeze=False)
     unit, scale = byte_unit(max(row["tracked_peak_bytes"] for row in rows))
     for ax, model in zip((row[0] for row in axes), models, strict=True):
         mine = [row for row in rows if row["model"] == model]
