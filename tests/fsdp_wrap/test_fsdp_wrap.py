@@ -121,6 +121,22 @@ class TestPrecision:
 
 
 @pytest.mark.usefixtures("process_group")
+def test_wraps_share_one_default_mesh() -> None:
+    """One mesh per default group: where CUDA is available and the default group is gloo,
+    torch's init_device_mesh makes a new group for every mesh, one per wrap, never destroyed."""
+    from torch.distributed.tensor import DTensor
+
+    from toy_models import SequentialViT
+
+    first = wrap_module_fsdp(SequentialViT(), device="cpu")
+    second = wrap_module_fsdp(SequentialViT(), device="cpu")
+    meshes = {
+        id(p.device_mesh) for m in (first, second) for p in m.parameters() if isinstance(p, DTensor)
+    }
+    assert len(meshes) == 1
+
+
+@pytest.mark.usefixtures("process_group")
 def test_an_hsdp_mesh_that_is_not_the_world_is_refused() -> None:
     with pytest.raises(ValueError) as raised:
         hsdp_mesh("cpu", replicate=2, shard=2)

@@ -258,3 +258,14 @@ def test_stream_bucket_bound_keeps_shards_plus_bucket_below_the_model() -> None:
     assert replica_init.stream_bucket_bytes(8 * mib, 2) == 2 * mib  # half of one rank's share
     assert replica_init.stream_bucket_bytes(8 * mib, 4) == mib
     assert replica_init.stream_bucket_bytes(0, 1) == 1
+
+
+@pytest.mark.usefixtures("process_group")
+def test_the_stream_at_world_size_1_copies_nothing() -> None:
+    """Rank 0's shards were cut from the tensors it would send: at one rank there is nothing
+    to stream (it copied the whole model host-to-device, bucket by bucket, for nothing)."""
+    from replica_init._stream import stream_from_rank0
+
+    target = torch.zeros(4)
+    stream_from_rank0([("w", target)], None, torch.device("cpu"))  # no source tensors needed
+    assert torch.equal(target, torch.zeros(4))

@@ -466,6 +466,8 @@ def test_user_model_end_to_end(
             "--memory-budget must be positive",
         ),
         (["sweep", "--device", "cpu", "--time-budget", "0"], "--time-budget must be positive"),
+        (["run", "--device", "cpu", "--time-budget", "-5"], "--time-budget must be positive"),
+        (["run", "--device", "cpu", "--ckpt-samples", "-1"], "--ckpt-samples must be >= 0"),
         (["sweep", "--device", "cpu", "--max-points", "0"], "--max-points must be >= 1, got 0"),
         (["run", "--device", "cpu", "--warmup", "-1"], "--warmup must be >= 0, got -1"),
         (["run", "--device", "cpu", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
