@@ -152,8 +152,12 @@ def tests(session: nox.Session, package: str) -> None:
     _install(session, dist, "test")
     if dist == "checkpoint-io":  # torchdata asks for an unpinned torch: --no-deps
         session.install("--no-deps", *nox.project.dependency_groups(PYPROJECT, "test-torchdata"))
+    parallel: list[str] = []
+    if dist == "strategy-bench":  # mostly processes starting: two files at a time use both cores
+        session.install(*nox.project.dependency_groups(PYPROJECT, "test-parallel"))
+        parallel = ["-n", "2", "--dist", "loadfile"]
     folder = "integration" if package == "integration" else PACKAGES[dist].import_name
-    session.run("pytest", f"tests/{folder}", *session.posargs, env=_WRITE_BYTECODE)
+    session.run("pytest", f"tests/{folder}", *parallel, *session.posargs, env=_WRITE_BYTECODE)
 
 
 @nox.session

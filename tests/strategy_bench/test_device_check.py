@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -15,7 +16,10 @@ def test_budget_is_kept_and_each_step_is_recorded(tmp_path: Path) -> None:
     """A 16 s budget (10 of them reserved for the summary): the tests step gets what the
     probe left, no time is left for the bench (skipped), and the script says so with exit
     code 1."""
+    # This interpreter, not whichever python3 is first on PATH (a system one without torch
+    # fails every step at once, and the budget is never spent).
     env = {**os.environ, "OUT": str(tmp_path), "DEVICE": "cpu", "BUDGET": "16"}
+    env["PYTHON"] = sys.executable
     done = subprocess.run(
         ["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120, env=env, check=False
     )
