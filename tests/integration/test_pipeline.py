@@ -187,10 +187,11 @@ def _samples(result: subprocess.CompletedProcess[str]) -> dict[int, str]:
 
 @pytest.mark.multiprocess
 def test_resume_on_another_number_of_ranks(tmp_path: Path) -> None:
-    """One global batch of 16 per step (sample-order), 4 micro-batches of 4 per rank-step:
-    killed on 4 ranks after 3 steps, continued on 1 (accumulating 4) from step-2, it reads the
-    same samples per step and ends at the uninterrupted 2-rank run's weights up to float
-    reduction order; saved in one process under FSDP, continued on 2 ranks, the same."""
+    """One global batch of 16 per step (sample-order): killed on 4 ranks after 3 steps (DDP),
+    continued on 1 (accumulating 4) from step-2, it reads the same samples per step and ends at
+    the uninterrupted 2-rank run's weights up to float reduction order; FSDP saved in one
+    process and continued on 2 ranks, and saved on 2 and continued in one (accumulating 2):
+    the same."""
     common = ("--global-batch", "16", "--micro-batch", "4", "--steps", "6", "--pg-timeout-s", "20")
     straight = _example(*common)
     expected, order = _final_sum(straight), _samples(straight)
@@ -207,6 +208,12 @@ def test_resume_on_another_number_of_ranks(tmp_path: Path) -> None:
     two = _example(*one, "--steps", "6", "--resume", str(tmp_path / "one"))
     assert _samples(two) == {s: order[s] for s in range(2, 6)}
     assert _final_sum(two) == pytest.approx(expected, rel=1e-6)
+    # FSDP saved on 2 ranks, continued in one process with micro-batches of 8 (accumulation 2).
+    eight = ("--strategy", "fsdp", "--global-batch", "16", "--micro-batch", "8")
+    _example(*eight, "--steps", "2", "--save", str(tmp_path / "two"))
+    single = _example(*eight, "--steps", "6", "--resume", str(tmp_path / "two"), nproc=1)
+    assert _samples(single) == {s: order[s] for s in range(2, 6)}
+    assert _final_sum(single) == pytest.approx(expected, rel=1e-6)
 
 
 _STORY = r"resuming from|no checkpoint under|exitcode|left by a save|published|in the background"
