@@ -142,8 +142,10 @@ def main() -> None:
         "torchrun restarts the job instead of waiting (torch's default is 10-30 min)",
     )
     args = parser.parse_args()
-    if args.grad_accum < 1 or args.batch_size % args.grad_accum:
+    if args.global_batch is None and (args.grad_accum < 1 or args.batch_size % args.grad_accum):
         parser.error("--grad-accum must be >= 1 and divide --batch-size")
+    if args.global_batch is not None and (args.global_batch < 1 or args.micro_batch < 1):
+        parser.error("--global-batch and --micro-batch must be >= 1")
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     # NCCL bound to this rank's GPU where CUDA is available (gloo elsewhere), a store prefix

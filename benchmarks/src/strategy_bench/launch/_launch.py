@@ -224,17 +224,19 @@ def _spawn(plan: Plan, timeout_s: float | None, addr: str) -> dict[str, Any] | N
 
 
 def _rank_context() -> Any:
-    """Where each point's ranks start: a fork server that imported torch and the bench once.
+    """Where each point's ranks start: a fork server that imported torch once per run.
 
-    A spawned rank imports torch and strategy-bench again (3-4 s per point on a 2-core host,
-    every rank at once); the fork server imports them once per run and forks each rank from
-    that state, before any CUDA or process group exists in it (it runs nothing else). Where
-    fork servers are unavailable (Windows, macOS' default), ranks are spawned.
+    A spawned rank imports torch again (about 3 s per point on a 2-core host, every rank at
+    once); the fork server imports it once and forks each rank from that state, before any
+    CUDA or process group exists in it (it runs nothing else). Only torch: the server does
+    not take the launcher's ``sys.path`` (Python 3.10-3.13), and the bench's own modules must
+    come from the rank's path, which each rank sets before it imports them. Where fork
+    servers are unavailable (Windows, macOS' default), ranks are spawned.
     """
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "strategy_bench.launch._launch"])
+    context.set_forkserver_preload(["torch"])
     return context
 
 

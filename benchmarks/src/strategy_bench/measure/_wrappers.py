@@ -158,8 +158,9 @@ def _mesh(
             hsdp_shape(dist.get_world_size()),
             mesh_dim_names=(f"{name}_replicate", f"{name}_shard"),
         )
-        if made is not None:
-            made += [cold.get_group(0), cold.get_group(1)]
+        if made is not None:  # a dimension as large as the world reuses the default group
+            world = dist.distributed_c10d._get_default_group()
+            made += [g for g in (cold.get_group(0), cold.get_group(1)) if g is not world]
         return cold
     hsdp = hsdp_shape(dist.get_world_size()) if strategy == "hsdp" else None
     size: tuple[int, ...] = hsdp or (dist.get_world_size(),)

@@ -65,7 +65,14 @@ def init_distributed(
             f"init_distributed: the environment lacks {', '.join(missing)}; start the "
             "processes with torchrun (or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE)"
         )
-    local = os.environ.get("LOCAL_RANK", "0")
+    local = os.environ.get("LOCAL_RANK")
+    if local is None:
+        if int(os.environ["WORLD_SIZE"]) > 1 and torch.cuda.is_available() and backend != "gloo":
+            raise ValueError(
+                "init_distributed: LOCAL_RANK is not set, so this rank's GPU is unknown; start "
+                "the processes with torchrun (or set LOCAL_RANK), or pass backend='gloo'"
+            )
+        local = "0"
     if not local.isdigit():
         raise ValueError(f"LOCAL_RANK must be a non-negative integer, got {local!r}")
     cuda = torch.cuda.is_available()

@@ -25,8 +25,9 @@ _REPLACED: dict[int, weakref.ref[torch.Tensor]] = {}
 """The parameters a wrap replaced (and that something still holds), by ``id``. Not a
 ``WeakSet``: its lookups compare tensors with ``==``, which is elementwise."""
 
-_CHECKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-"""Optimizers checked since the last wrap that replaced parameters."""
+_CHECKED: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
+"""Optimizers checked since the last wrap that replaced parameters, by ``id`` (an optimizer
+class may define ``__eq__`` without ``__hash__``)."""
 
 _LOCK = threading.Lock()
 _HOOK: list[Any] = []  # the registered hook's handle, once
@@ -84,7 +85,8 @@ def _check_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
     Raises:
         RuntimeError: If the optimizer holds parameters a wrap replaced.
     """
-    if optimizer in _CHECKED:
+    checked = _CHECKED.get(id(optimizer))
+    if checked is not None and checked() is optimizer:
         return
     stale = sum(
         1 for group in optimizer.param_groups for param in group["params"] if _is_replaced(param)
@@ -99,7 +101,8 @@ def _check_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
             "optimizer after the wrap, from model.parameters() (e.g. "
             f"torch.optim.{type(optimizer).__name__}(model.parameters(), ...))"
         )
-    _CHECKED.add(optimizer)
+    key = id(optimizer)
+    _CHECKED[key] = weakref.ref(optimizer, lambda ref: _CHECKED.pop(key, None))
 
 
 def _enable_hook(enabled: bool) -> None:

@@ -180,14 +180,19 @@ def build_sharded_model(
     del targets
     references: dict[int, list[tuple[str, str]]] = {}
     sharded: nn.Module | None = None
-    try:
-        if verify:
+    if verify:
+        try:
             with around("verify"):
                 # rank0: rank 0 referees the others (its shards are cut from its own model).
                 referees = range(1, world) if source == "rank0" else [(rank + 1) % world]
                 if source == "local" or rank == 0:
                     degree = world if shard_degree is None else shard_degree
                     references = reference_digests(model, referees, degree)
+        except Exception as error:
+            failure = error
+        # Agreed before the wrap, which may run collectives of its own (a new mesh's groups).
+        agree(failure, "hashing the reference shards")
+    try:
         with around("wrap"):
             sharded = shard(model)
             check_is_module(shard, sharded)

@@ -71,7 +71,7 @@ class SampleOrder:
                 f"(global_batch={self.global_batch}); use a global_batch of at most "
                 f"{self.num_samples}"
             )
-        self._epoch: tuple[int, list[int]] | None = None  # the last epoch's permutation
+        self._epoch: tuple[int, torch.Tensor] | None = None  # the last epoch's permutation
 
     @property
     def steps_per_epoch(self) -> int:
@@ -94,7 +94,7 @@ class SampleOrder:
         step = _at_least(step, "step", 0)
         epoch, within = divmod(step, self.steps_per_epoch)
         start = within * self.global_batch
-        return self._permutation(epoch)[start : start + self.global_batch]
+        return self._permutation(epoch)[start : start + self.global_batch].tolist()
 
     def shard(self, step: int, *, rank: int, world_size: int) -> list[int]:
         """``rank``'s contiguous share of step ``step``'s global batch.
@@ -162,13 +162,14 @@ class SampleOrder:
             )
         return share // accum
 
-    def _permutation(self, epoch: int) -> list[int]:
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        """Epoch ``epoch``'s order as an int64 tensor (8 bytes a sample, not a Python list)."""
         if self._epoch is None or self._epoch[0] != epoch:
             if self.shuffle:
                 generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-                order = torch.randperm(self.num_samples, generator=generator).tolist()
+                order = torch.randperm(self.num_samples, generator=generator)
             else:
-                order = list(range(self.num_samples))
+                order = torch.arange(self.num_samples)
             self._epoch = (epoch, order)
         return self._epoch[1]
 
