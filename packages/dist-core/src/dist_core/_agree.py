@@ -7,6 +7,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dist_core._devices import on_device
 from dist_core._group import is_distributed
 
 
@@ -43,7 +44,11 @@ def agree(
         return [share]
     report = None if error is None else (type(error).__name__, str(error))
     reports: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, (report, share), group=group)
+    # Under NCCL the object gather stages on the current device; the failure being reported
+    # may be that the current device is the wrong one, so the group's own device is entered.
+    bound = getattr(group if group is not None else dist.group.WORLD, "bound_device_id", None)
+    with on_device(bound):
+        dist.all_gather_object(reports, (report, share), group=group)
     if error is not None:
         raise error
     failed = [(r, rep) for r, (rep, _) in enumerate(reports) if rep is not None]
