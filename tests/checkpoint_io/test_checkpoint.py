@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ from checkpoint_io import (
     load_checkpoint,
     save_checkpoint,
 )
+from checkpoint_models import Small, trained
 from dist_harness import run_ranks, two_rank_backends
 from replica_init import state_fingerprint
 
@@ -159,40 +159,9 @@ def test_two_ranks_to_one_process(two_ranks: Any, tmp_path: Path) -> None:
     }
 
 
-class Small(nn.Module):
-    def __init__(self, width: int = 4) -> None:
-        super().__init__()
-        self.body = nn.Linear(width, width)
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-
-def _wsum64(data: bytes) -> str:
-    """The manifest's checksum, from its definition (docs/checkpoint-io.md), in plain Python."""
-    block = 64 << 10
-    padded = data + bytes(-len(data) % block)
-    total = weighted = 0
-    for index in range(len(padded) // block):
-        words = struct.unpack(f"<{block // 8}Q", padded[index * block : (index + 1) * block])
-        total += sum(words)
-        weighted += (index + 1) * sum(words)
-    return f"{total % 2**64:016x}{weighted % 2**64:016x}"
-
-
-def _trained() -> tuple[Small, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = Small()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(3, 4)).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
 class TestOneProcess:
     def test_round_trip_and_manifest(self, tmp_path: Path) -> None:
-        model, optimizer = _trained()
+        model, optimizer = trained()
         path = save_checkpoint(tmp_path / "c", model, optimizer, step=3, extra={"a": [1]})
         manifest = json.loads((path / "checkpoint.json").read_text())
         assert manifest["strategy"] == "none" and manifest["world_size"] == 1
@@ -218,7 +187,7 @@ class TestOneProcess:
         ]
 
     def test_refusals(self, tmp_path: Path) -> None:
-        model, optimizer = _trained()
+        model, optimizer = trained()
         path = save_checkpoint(tmp_path / "c", model)
         with pytest.raises(FileExistsError, match="already exists; pass overwrite=True"):
             save_checkpoint(path, model)
@@ -260,7 +229,7 @@ class TestOneProcess:
         ],
     )
     def test_bad_argument_types(self, tmp_path: Path, call: Any, match: str) -> None:
-        model, optimizer = _trained()
+        model, optimizer = trained()
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(TypeError, match=match):
             call(model, optimizer, tmp_path / "c")
@@ -268,7 +237,7 @@ class TestOneProcess:
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
     def test_key_and_shape_mismatches(self, tmp_path: Path) -> None:
-        model, _ = _trained()
+        model, _ = trained()
         path = save_checkpoint(tmp_path / "c", model)
 
         class Renamed(nn.Module):
@@ -298,7 +267,7 @@ class TestOneProcess:
             load_checkpoint(path, double)
 
     def test_verification_and_newer_format(self, tmp_path: Path) -> None:
-        model, _ = _trained()
+        model, _ = trained()
         path = save_checkpoint(tmp_path / "c", model)
         manifest = json.loads((path / "checkpoint.json").read_text())
         data = path / "__0_0.distcp"
@@ -321,7 +290,7 @@ class TestOneProcess:
             load_checkpoint(path, target)
 
     def test_rng_state_comes_back(self, tmp_path: Path) -> None:
-        model, _ = _trained()
+        model, _ = trained()
         torch.manual_seed(123)
         path = save_checkpoint(tmp_path / "c", model)
         expected = torch.rand(3)
@@ -342,7 +311,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 class TestLongRuns:
     def test_keep_last_and_latest(self, tmp_path: Path) -> None:
-        model, optimizer = _trained()
+        model, optimizer = trained()
         for async_save in (False, True):
             root = tmp_path / f"async-{async_save}"
             manager = CheckpointManager(root, every=2, keep_last=2, async_save=async_save)
@@ -367,7 +336,7 @@ class TestLongRuns:
     def test_latest_skips_partial_and_damaged(
         self, tmp_path: Path, caplog: pytest.LogCaptureFixture
     ) -> None:
-        model, optimizer = _trained()
+        model, optimizer = trained()
         manager = CheckpointManager(tmp_path, every=1)
         for step in (1, 2, 3):
             manager.maybe_save(step, model, optimizer)
@@ -387,7 +356,7 @@ class TestLongRuns:
         assert CheckpointManager(tmp_path / "none", every=1).resume(Small()) == 0
 
     def test_async_save_in_one_process(self, tmp_path: Path) -> None:
-        model, optimizer = _trained()
+        model, optimizer = trained()
         staged = {k: v.clone() for k, v in model.state_dict().items()}
         pending = async_save_checkpoint(tmp_path / "a", model, optimizer, step=1)
         with torch.no_grad():
@@ -430,7 +399,7 @@ class TestLongRuns:
             CheckpointManager(tmp_path, every=1).maybe_save(-1, Small())
 
     def test_sigterm_in_one_process(self, tmp_path: Path) -> None:
-        model, optimizer = _trained()
+        model, optimizer = trained()
         before = signal.getsignal(signal.SIGTERM)
         manager = CheckpointManager(tmp_path, every=100, on_sigterm=True)
         assert manager.maybe_save(1, model, optimizer) is None
@@ -461,7 +430,7 @@ class TestLongRuns:
 
     def test_format_1_still_loads_and_verifies(self, tmp_path: Path) -> None:
         """A checkpoint of the previous format: a gathered fingerprint, no file table."""
-        model, _ = _trained()
+        model, _ = trained()
         path = save_checkpoint(tmp_path / "c", model)
         manifest = json.loads((path / "checkpoint.json").read_text())
         shown = _cli("inspect", str(path), "--fingerprint")
@@ -477,7 +446,7 @@ class TestLongRuns:
 
 
 def test_cli(tmp_path: Path) -> None:
-    model, optimizer = _trained()
+    model, optimizer = trained()
     path = save_checkpoint(tmp_path / "c", model, optimizer, step=5)
     shown = _cli("inspect", str(path))
     assert shown.returncode == 0, shown.stderr

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -25,16 +24,7 @@ from checkpoint_io import (
     load_checkpoint,
     save_checkpoint,
 )
-
-
-class Small(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.body = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
+from checkpoint_models import Small, trained, wsum64
 
 
 class Payload:
@@ -58,15 +48,6 @@ class Holder:
 
     def load_state_dict(self, state: Any) -> None:
         self.state = state
-
-
-def _trained() -> tuple[Small, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = Small()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(3, 4)).sum().backward()
-    optimizer.step()
-    return model, optimizer
 
 
 def _rehash(path: Path, name: str) -> None:
@@ -97,7 +78,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_crafted_metadata_runs_nothing_anywhere(tmp_path: Path) -> None:
-    model, optimizer = _trained()
+    model, optimizer = trained()
     path = save_checkpoint(tmp_path / "run" / "step-1", model, optimizer, step=1)
     marker = tmp_path / "pwned"
     (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
@@ -122,7 +103,7 @@ def test_a_crafted_metadata_runs_nothing_anywhere(tmp_path: Path) -> None:
 
 def test_a_crafted_value_runs_nothing(tmp_path: Path) -> None:
     """A stateful file and a DCP value replaced by payloads: refused, nothing changed."""
-    model, optimizer = _trained()
+    model, optimizer = trained()
     path = save_checkpoint(tmp_path / "c", model, optimizer, stateful={"sched": Holder({"a": 1})})
     marker = tmp_path / "pwned"
     torch.save({"sched": Payload(marker)}, path / "stateful" / "rank0.pt")
@@ -155,7 +136,7 @@ def test_a_crafted_value_runs_nothing(tmp_path: Path) -> None:
 def test_a_stateful_value_that_cannot_be_read_back_safely_is_refused_at_save(
     tmp_path: Path,
 ) -> None:
-    model, _ = _trained()
+    model, _ = trained()
     with pytest.raises(TypeError, match=r"stateful\['odd'\] \(Holder\) holds a value that a"):
         save_checkpoint(tmp_path / "c", model, stateful={"odd": Holder({"x": Holder()})})
     assert list(tmp_path.iterdir()) == []  # nothing written
@@ -163,7 +144,7 @@ def test_a_stateful_value_that_cannot_be_read_back_safely_is_refused_at_save(
 
 @pytest.mark.parametrize("name", ["../outside.bin", "/etc/hostname"])
 def test_names_outside_the_checkpoint_are_refused(tmp_path: Path, name: str) -> None:
-    model, _ = _trained()
+    model, _ = trained()
     path = save_checkpoint(tmp_path / "c", model)
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"x" * 64)
@@ -176,7 +157,7 @@ def test_names_outside_the_checkpoint_are_refused(tmp_path: Path, name: str) -> 
 
 
 def test_a_symlink_out_of_the_checkpoint_is_refused(tmp_path: Path) -> None:
-    model, _ = _trained()
+    model, _ = trained()
     path = save_checkpoint(tmp_path / "c", model)
     target = tmp_path / "elsewhere.pt"
     (path / "rng" / "rank0.pt").rename(target)
@@ -207,7 +188,7 @@ def _swap_words(data: bytes, offset: int) -> bytes:
 def test_the_digest_detects_damage(tmp_path: Path, damage: Any) -> None:
     from checkpoint_io._digest import file_entry
 
-    model, _ = _trained()
+    model, _ = trained()
     path = save_checkpoint(tmp_path / "c", model)
     data_file = next(path.glob("*.distcp"))
     data = data_file.read_bytes()
@@ -219,27 +200,15 @@ def test_the_digest_detects_damage(tmp_path: Path, damage: Any) -> None:
         load_checkpoint(path, Small())
 
 
-def _wsum64(data: bytes) -> str:
-    """Format 2's checksum, from its definition, in plain Python."""
-    block = 64 << 10
-    padded = data + bytes(-len(data) % block)
-    total = weighted = 0
-    for index in range(len(padded) // block):
-        words = struct.unpack(f"<{block // 8}Q", padded[index * block : (index + 1) * block])
-        total += sum(words)
-        weighted += (index + 1) * sum(words)
-    return f"{total % 2**64:016x}{weighted % 2**64:016x}"
-
-
 def test_format_2_still_loads_and_verifies(tmp_path: Path) -> None:
-    model, _ = _trained()
+    model, _ = trained()
     path = save_checkpoint(tmp_path / "c", model, step=4)
     manifest = json.loads((path / "checkpoint.json").read_text())
     manifest["format_version"] = 2
     manifest.pop("stateful_state")
     for name, entry in manifest["files"].items():
         entry.pop("xxh3_128")
-        entry["wsum64"] = _wsum64((path / name).read_bytes())
+        entry["wsum64"] = wsum64((path / name).read_bytes())
     (path / "checkpoint.json").write_text(json.dumps(manifest))
     fresh = Small()
     assert load_checkpoint(path, fresh).step == 4
@@ -271,7 +240,7 @@ def test_everything_is_fsynced_before_the_old_checkpoint_goes(
         events.append("rmtree " + os.path.relpath(str(path), tmp_path).split("-")[0])
         rmtree(path, *args, **kwargs)
 
-    model, _ = _trained()
+    model, _ = trained()
     save_checkpoint(tmp_path / "c", model, stateful={"h": Holder({"a": 1})})
     monkeypatch.setattr(os, "fsync", spy_fsync)
     monkeypatch.setattr(_save.shutil, "rmtree", spy_rmtree)
@@ -305,7 +274,7 @@ def test_everything_is_fsynced_before_the_old_checkpoint_goes(
     ids=["none-fresh", "empty-fresh", "shorter-list", "none-saved", "tensor-shape"],
 )
 def test_stateful_values_load_as_saved(tmp_path: Path, saved: Any, fresh: Any) -> None:
-    model, _ = _trained()
+    model, _ = trained()
     path = save_checkpoint(tmp_path / "c", model, stateful={"s": Holder(saved)})
     holder = Holder(fresh)
     load_checkpoint(path, Small(), stateful={"s": holder})
@@ -319,7 +288,7 @@ def test_stateful_values_load_as_saved(tmp_path: Path, saved: Any, fresh: Any) -
 def test_a_scheduler_and_a_fresh_stateful_dataloader_load_as_saved(tmp_path: Path) -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    model, optimizer = _trained()
+    model, optimizer = trained()
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
     for _ in range(3):
         optimizer.step()
@@ -344,7 +313,7 @@ def test_a_scheduler_and_a_fresh_stateful_dataloader_load_as_saved(tmp_path: Pat
 
 
 def test_an_object_of_another_kind_is_a_mismatch_not_corruption(tmp_path: Path) -> None:
-    model, optimizer = _trained()
+    model, optimizer = trained()
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
     path = save_checkpoint(tmp_path / "c", model, optimizer, stateful={"sched": scheduler})
     other = Small()
@@ -363,7 +332,7 @@ def test_a_metadata_that_changes_a_class_or_points_out_is_refused(tmp_path: Path
     storage entry whose file name is not a string (a Windows path joined outside)."""
     import pathlib
 
-    model, _ = _trained()
+    model, _ = trained()
     path = save_checkpoint(tmp_path / "c", model)
     real = (path / ".metadata").read_bytes()
     # GLOBAL pathlib.PosixPath, {"name": 1}, BUILD: setattr on the class itself.
@@ -383,7 +352,7 @@ def test_a_metadata_that_changes_a_class_or_points_out_is_refused(tmp_path: Path
 
 
 def test_an_overwrite_killed_between_its_renames_is_restored(tmp_path: Path) -> None:
-    model, _ = _trained()
+    model, _ = trained()
     run = tmp_path / "run"
     save_checkpoint(run / "step-2", model, step=2)
     (run / "step-2").rename(
@@ -396,7 +365,7 @@ def test_an_overwrite_killed_between_its_renames_is_restored(tmp_path: Path) -> 
 def test_stateful_keys_are_kept_apart_and_ordered_dicts_stay(tmp_path: Path) -> None:
     import collections
 
-    model, _ = _trained()
+    model, _ = trained()
     with pytest.raises(TypeError, match="may not use the key '__checkpoint_io_sharded__'"):
         save_checkpoint(
             tmp_path / "a", model, stateful={"s": Holder({"__checkpoint_io_sharded__": 1})}

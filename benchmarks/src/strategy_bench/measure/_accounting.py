@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from distributed_strategy import no_sync
+from distributed_strategy import DTYPE_NAMES, no_sync, torch_dtype
 from strategy_bench._compat import collective_group, fsdp_gather_outputs, storage_key
 from strategy_bench.measure._tracker import LiveTensors
 
@@ -82,7 +82,8 @@ class CommBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
 
-_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# The knobs' spelling, from the one table of dtype names (strategy-config's, as fsdp-wrap reads it).
+_DTYPE_NAMES = {torch_dtype(name): name for name in DTYPE_NAMES}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -216,8 +216,8 @@ def _check_buffers(value: Any, what: str) -> None:
             _check_buffers(item, what)
 
 
-def require_safe_value(value: Any, what: str) -> None:
-    """Refuse at save time a value that could not be read back ``weights_only``.
+def safe_bytes(value: Any, what: str) -> bytes:
+    """``value`` serialized by ``torch.save``, once it is known to read back ``weights_only``.
 
     Raises:
         TypeError: Naming ``what`` and the first type that ``weights_only`` refuses.
@@ -234,6 +234,7 @@ def require_safe_value(value: Any, what: str) -> None:
             f"({_first_line(error)}); save tensors, numbers, strings, lists and dicts of them "
             "(convert other objects in state_dict(), or leave it out of stateful=)"
         ) from None
+    return buffer.getvalue()
 
 
 class SafeReader(FileSystemReader):

@@ -29,7 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._safe import inside, load_value, require_safe_value
+from checkpoint_io._safe import inside, load_value, safe_bytes
 
 STATEFUL_DIR = "stateful"
 _MARK = "__checkpoint_io_sharded__"  # a DTensor leaf's place in the per-rank state
@@ -90,8 +90,10 @@ def collect(stateful: Mapping[str, Any]) -> StatefulParts:
         local[name] = _split(obj.state_dict(), (), found)
         if found:
             sharded[name] = found
-        require_safe_value(local[name], f"stateful[{name!r}] ({type(obj).__name__})")
-        digests[name] = _digest(local[name])
+        # Checked and hashed from one serialization of a host copy: equal states on
+        # different GPUs give one digest.
+        data = safe_bytes(_on_host(local[name]), f"stateful[{name!r}] ({type(obj).__name__})")
+        digests[name] = hashlib.sha256(data).hexdigest()[:32]
         classes[name] = _class_name(obj)
     buffer = io.BytesIO()
     torch.save(local, buffer)
@@ -126,9 +128,7 @@ def _split(value: Any, path: tuple[str, ...], found: dict[str, DTensor]) -> Any:
     if isinstance(value, list | tuple) and not _is_namedtuple(value):
         items = [_split(v, (*path, str(i)), found) for i, v in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()  # a copy: the object may change it before the write
-    return value
+    return value  # serialized in collect(), before the object can change it
 
 
 def _join(value: Any, sharded: Mapping[str, torch.Tensor]) -> Any:
@@ -144,13 +144,6 @@ def _join(value: Any, sharded: Mapping[str, torch.Tensor]) -> Any:
 
 def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(value, "_fields")
-
-
-def _digest(value: Any) -> str:
-    """A digest of the state's content, the same for equal states on any device."""
-    buffer = io.BytesIO()
-    torch.save(_on_host(value), buffer)
-    return hashlib.sha256(buffer.getvalue()).hexdigest()[:32]
 
 
 def _on_host(value: Any) -> Any:
