@@ -26,11 +26,14 @@ QUICK = [
     "1",
     "--batch-size",
     "2",
+    "--probe-mib",
+    "1",
+    "2",
     "--ckpt-samples",
     "1",
 ]
-"""Short runs. One checkpoint-cost sample per point (the smoke run measures the default's
-three, alternating)."""
+"""Short runs. A probe of two small sizes; one checkpoint-cost sample per point (the smoke run
+measures the default's three, alternating). ``--ckpt-samples`` comes last."""
 
 
 USER_MODEL = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import subprocess
 import time
@@ -70,6 +71,16 @@ def test_run_smoke(
         assert row["flops_per_sample"] == pytest.approx(row["analytic_flops_per_sample"], rel=0.05)
         assert row["mfu"] == pytest.approx(row["achieved_flops_per_rank"] / 0.5e12)
         assert row["mfu_vs_matmul"] is None
+    # The probe on 2 gloo ranks: every collective fitted, positive and finite.
+    probe = env["comm_probe"]
+    assert probe["sizes_mib"] == [1.0, 2.0] and set(probe) == {"sizes_mib", "intra_node"}
+    for kind, fit in probe["intra_node"].items():
+        assert kind in ("all_reduce", "all_gather", "reduce_scatter")
+        assert math.isfinite(fit["busbw_gbps"]) and fit["busbw_gbps"] > 0, fit
+        assert math.isfinite(fit["latency_us"]) and fit["latency_us"] >= 0, fit
+        assert fit["ranks"] == 2 and len(fit["samples"]) == 2
+    for row in rows:  # the step without communication, and its optimizer part
+        assert 0 < row["optimizer_ms"] < row["compute_ms"], row
     read_results(out / "results.json")  # the schema check accepts it
     for name in (
         "throughput",

@@ -86,7 +86,8 @@ def test_hsdp_keeps_all_but_the_replicas_all_reduce_inside_the_node(tmp_path: Pa
 def test_comm_bytes_by_dtype_and_the_verdict_flag() -> None:
     """bf16 all-gathers and fp32 reduce-scatters where configured; fp32 for both by default;
     the report flags a row whose configured dtype is not what travelled."""
-    from strategy_bench.estimate._estimate import EstimateOptions, EstimatePoint, estimate_point
+    from strategy_bench.estimate._estimate import estimate_point
+    from strategy_bench.estimate._points import EstimateOptions, EstimatePoint
     from strategy_bench.report._report import dtype_mismatches
     from strategy_bench.workload import WorkloadSpec
 

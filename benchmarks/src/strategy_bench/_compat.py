@@ -20,12 +20,44 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = [
     "FakeTensorMode",
+    "all_gather_single",
     "collective_group",
     "fake_process_group",
     "fsdp_gather_outputs",
+    "reduce_scatter_single",
     "storage_key",
     "unset_fake_temporarily",
 ]
+
+
+def all_gather_single(
+    output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> None:
+    """An all-gather into ``output``, by the name this torch has.
+
+    torch 2.13 deprecates ``all_gather_into_tensor`` for ``all_gather_single``; a torch
+    without the latter (2.11, the lent GPU machines') has only the former.
+    """
+    single = getattr(dist, "all_gather_single", None)
+    if single is not None:
+        single(output, tensor, group=group)
+    else:  # pragma: no cover - torch < 2.13
+        dist.all_gather_into_tensor(output, tensor, group=group)
+
+
+def reduce_scatter_single(
+    output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> None:
+    """A reduce-scatter into ``output``, by the name this torch has.
+
+    torch 2.13 deprecates ``reduce_scatter_tensor`` for ``reduce_scatter_single``; a torch
+    without the latter (2.11, the lent GPU machines') has only the former.
+    """
+    single = getattr(dist, "reduce_scatter_single", None)
+    if single is not None:
+        single(output, tensor, group=group)
+    else:  # pragma: no cover - torch < 2.13
+        dist.reduce_scatter_tensor(output, tensor, group=group)
 
 
 @contextmanager

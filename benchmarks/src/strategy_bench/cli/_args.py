@@ -58,6 +58,28 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
             "and range are reported (default 3; 0 skips it)"
         ),
     )
+    parser.add_argument(
+        "--threads-per-rank",
+        type=int,
+        default=None,
+        metavar="N",
+        help=(
+            "each rank's intra-op threads (default: the host's cores shared by its ranks); a "
+            "1-rank calibration for a 2-rank CPU run wants the 2-rank run's count"
+        ),
+    )
+    parser.add_argument(
+        "--probe-mib",
+        type=float,
+        nargs="*",
+        default=list(RunOptions.probe_mib),
+        metavar="MIB",
+        help=(
+            "message sizes the run times all_reduce, all_gather and reduce_scatter at, fitted to "
+            "latency + bytes / bandwidth for the estimate's --calibrate (default 0.0625 1 16 "
+            "64; none: no probe)"
+        ),
+    )
     parser.add_argument("--out", type=Path, default=Path("bench-results/latest"))
     parser.add_argument(
         "--peak-tflops",

@@ -18,6 +18,7 @@ from strategy_bench.cli._args import (
     read_or_usage_error,
     workload_specs,
 )
+from strategy_bench.cli._estimate_time import accumulated_rows, add_time_arguments, time_model
 from strategy_bench.estimate import (
     AGREEMENT,
     DATASHEET_MEMORY_GIB,
@@ -28,20 +29,25 @@ from strategy_bench.estimate import (
     EstimateOptions,
     agreement,
     annotate_fits,
+    annotate_time,
     device_memory,
     estimate_environment,
     estimate_points,
     largest_lines,
     peak_rss_bytes,
+    recommendations,
     run_estimate,
     scale_start,
+    step_errors,
 )
 from strategy_bench.estimate import SCHEMA as ESTIMATE_SCHEMA
-from strategy_bench.measure import STRATEGIES
+from strategy_bench.measure import STRATEGIES, fake_flops_per_sample
 from strategy_bench.report import (
     agreement_table,
     estimate_table,
     largest_table,
+    recommendation_table,
+    write_estimate_report,
 )
 from strategy_bench.results import (
     OK,
@@ -125,6 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the integer init parameter --largest scales (default: a preset's depth)",
     )
+    add_time_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("bench-results/estimate"))
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an earlier estimate in --out"
@@ -153,6 +160,7 @@ def command(args: argparse.Namespace) -> int:
             f"--out {str(out)!r} already holds an estimate; pass --overwrite or another --out"
         )
     measured = [row for path in args.compare or () for row in read_or_usage_error(path)["results"]]
+    timing = time_model(args, device)
     specs = workload_specs(args, "cpu")
     for spec in specs:
         spec.build().meta_model()  # fails here, as one line, if it cannot be built on meta
@@ -207,20 +215,35 @@ def command(args: argparse.Namespace) -> int:
         rows = [
             {**row, **annotate_fits(row, device)} if row["status"] == OK else row for row in rows
         ]
+    base = list(rows)  # what --largest seeds from: the points as asked
+    if device is not None and timing is not None:  # what accumulation makes fit
+        rows += accumulated_rows(specs, rows, options, device, jobs=jobs, progress=progress)
+    workloads = [spec.build() for spec in specs]
+    flops = {w.name: fake_flops_per_sample(w, args.batch_size, args.dtype) for w in workloads}
+    for row in rows:
+        row["flops_per_sample"] = flops.get(row["model"])
+    chosen: list[dict[str, Any]] = []
+    if timing is not None:
+        annotate_time(rows, timing)
     largest: list[dict[str, Any]] = []
     if args.largest:
         assert device is not None and scale_param is not None
-        largest = _find_largest(args, specs, rows, scale_param, worlds, options, device, jobs)
+        largest = _find_largest(args, specs, base, scale_param, worlds, options, device, jobs)
     env = estimate_environment(options, jobs)
     env["seconds"] = time.monotonic() - begin
     env["peak_rss_bytes"] = peak_rss_bytes(jobs)
     env["device_memory"] = None if device is None else device.to_json()
+    env["time_model"] = None if timing is None else timing.to_json()
+    if timing is not None:
+        chosen = recommendations(rows)
     checked = agreement(rows, measured)
     payload: dict[str, Any] = {
         "schema": ESTIMATE_SCHEMA,
         "env": env,
         "rows": rows,
         "agreement": checked,
+        "step_agreement": step_errors(checked),
+        "recommendation": chosen,
     }
     if args.largest:
         payload["largest"] = largest
@@ -242,17 +265,31 @@ def command(args: argparse.Namespace) -> int:
         f"estimated in {env['seconds']:.1f} s, peak RSS {env['peak_rss_bytes'] / 2**30:.2f} GiB "
         + ("(one process)" if jobs == 1 else f"at most ({jobs} worker processes included)")
     )
+    if chosen:
+        print(
+            "\nrecommended (predicted step time, fastest that fits):\n"
+            + recommendation_table(chosen)
+        )
+    elif timing is None:
+        print("no step time predicted: give --gpu NAME (datasheet) or --calibrate RESULTS.json")
     if args.compare is not None:
         if not checked:
             print("--compare: no measured point matches (model, strategy, knobs, ranks, batch)")
         else:
             print("\nestimate vs measured:\n" + agreement_table(checked))
-    print(f"estimate: {out / 'estimate.json'}\nplot: {png or '-'}")
+            errors = payload["step_agreement"]
+            if errors is not None:
+                print(
+                    f"step time: median |error| {100 * errors['median_abs']:.1f}%, worst "
+                    f"{100 * errors['max_abs']:.1f}% over {errors['points']} point(s)"
+                )
+    report = write_estimate_report(out, payload, measured)
+    print(f"estimate: {out / 'estimate.json'}\nplot: {png or '-'}\nreport: {report}")
     failed = [row for row in rows if row["status"] != "ok"]
-    for model, row in {r["model"]: r for r in failed}.items():
-        count = sum(r["model"] == model for r in failed)
+    for name, row in {r["model"]: r for r in failed}.items():
+        count = sum(r["model"] == name for r in failed)
         sys.stderr.write(
-            f"strategy-bench: could not estimate {model} ({count} point(s) failed, e.g. "
+            f"strategy-bench: could not estimate {name} ({count} point(s) failed, e.g. "
             f"{row['strategy']} at {row['world_size']} ranks): {row['error']}; the model must "
             "run on fake tensors: no .item(), no shapes that depend on values\n"
         )

@@ -105,6 +105,13 @@ def plan_run(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         raise BenchUsageError(
             f"--ckpt-samples must be >= 0 (0 skips the checkpoint cost), got {args.ckpt_samples}"
         )
+    if any(not mib > 0 for mib in args.probe_mib) or len(set(args.probe_mib)) == 1:
+        raise BenchUsageError(
+            f"--probe-mib takes two sizes or more, each above 0 MiB (or none), got "
+            f"{' '.join(f'{mib:g}' for mib in args.probe_mib)}"
+        )
+    if args.threads_per_rank is not None and args.threads_per_rank < 1:
+        raise BenchUsageError(f"--threads-per-rank must be >= 1, got {args.threads_per_rank}")
     if args.warmup < 0:
         raise BenchUsageError(f"--warmup must be >= 0, got {args.warmup}")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
@@ -148,6 +155,7 @@ def plan_run(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         dtype=args.dtype,
         seed=args.seed,
         ckpt_samples=args.ckpt_samples,
+        probe_mib=tuple(sorted(set(args.probe_mib))),
     )
     plan = Plan(
         device=device,
@@ -161,6 +169,7 @@ def plan_run(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
         kind=args.command,
         prior_rows=prior,
         peak_tflops=args.peak_tflops,
+        threads_per_rank=args.threads_per_rank,
     )
     return plan, extra
 

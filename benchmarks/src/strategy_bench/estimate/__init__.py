@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
+from strategy_bench.estimate._agreement import AGREEMENT, agreement, step_errors
+from strategy_bench.estimate._choice import ACCUMULATION_STEPS, accumulation_points, recommendations
 from strategy_bench.estimate._estimate import (
-    AGREEMENT,
-    DEFAULT_GPUS_PER_NODE,
-    DEFAULT_WORLD_SIZES,
     SCHEMA,
-    EstimateOptions,
-    agreement,
     estimate_environment,
-    estimate_points,
     peak_rss_bytes,
     run_estimate,
 )
@@ -23,11 +19,29 @@ from strategy_bench.estimate._fits import (
 )
 from strategy_bench.estimate._init_peak import ModelSizes, init_peaks
 from strategy_bench.estimate._largest import PRESET_SCALE_PARAM, largest_lines, scale_start
+from strategy_bench.estimate._points import (
+    DEFAULT_GPUS_PER_NODE,
+    DEFAULT_WORLD_SIZES,
+    EstimateOptions,
+    estimate_points,
+)
+from strategy_bench.estimate._time_inputs import (
+    DEFAULT_ASSUMED_MFU,
+    DEFAULT_INTER_NODE_GBPS,
+    TimeModel,
+    calibrated_model,
+    datasheet_model,
+)
+from strategy_bench.estimate._time_model import BUCKET_CAPS_MB, annotate_time, predict
 
 __all__ = [
+    "ACCUMULATION_STEPS",
     "AGREEMENT",
+    "BUCKET_CAPS_MB",
     "DATASHEET_MEMORY_GIB",
+    "DEFAULT_ASSUMED_MFU",
     "DEFAULT_GPUS_PER_NODE",
+    "DEFAULT_INTER_NODE_GBPS",
     "DEFAULT_WORLD_SIZES",
     "DEVICE_RESERVE_BYTES",
     "PRESET_SCALE_PARAM",
@@ -35,14 +49,22 @@ __all__ = [
     "DeviceMemory",
     "EstimateOptions",
     "ModelSizes",
+    "TimeModel",
+    "accumulation_points",
     "agreement",
     "annotate_fits",
+    "annotate_time",
+    "calibrated_model",
+    "datasheet_model",
     "device_memory",
     "estimate_environment",
     "estimate_points",
     "init_peaks",
     "largest_lines",
     "peak_rss_bytes",
+    "predict",
+    "recommendations",
     "run_estimate",
     "scale_start",
+    "step_errors",
 ]

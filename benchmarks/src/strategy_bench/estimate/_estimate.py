@@ -10,7 +10,6 @@ the bytes each collective moves. Nothing of the full model is ever allocated.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import resource
@@ -30,7 +29,9 @@ from torch.distributed.tensor import DTensor
 from distributed_strategy import materialize
 from strategy_bench._compat import FakeTensorMode, fake_process_group, unset_fake_temporarily
 from strategy_bench._errors import BenchUsageError, error_summary
+from strategy_bench.estimate._agreement import comm_total
 from strategy_bench.estimate._init_peak import ModelSizes, init_peaks
+from strategy_bench.estimate._points import EstimateOptions, EstimatePoint
 from strategy_bench.measure import (
     _wrappers,
     account,
@@ -40,7 +41,7 @@ from strategy_bench.measure import (
     local_bytes,
     parameter_counts,
 )
-from strategy_bench.results import FAILED, MEMORY_KINDS, OK, host_environment, ok_rows
+from strategy_bench.results import FAILED, MEMORY_KINDS, OK, host_environment
 from strategy_bench.workload import (
     Workload,
     WorkloadSpec,
@@ -53,83 +54,7 @@ logger = logging.getLogger(__name__)
 
 SCHEMA = 1
 """Version of ``estimate.json``."""
-
-DEFAULT_WORLD_SIZES = (2, 8, 64, 512)
-
 _CPU = torch.device("cpu")
-
-VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("ddp", {}),
-    ("fsdp", {}),
-    ("hsdp", {}),
-    ("fsdp", {"reshard_after_forward": False}),
-    ("fsdp", {"param_dtype": "bf16", "reduce_dtype": "fp32"}),
-)
-"""The points estimated by default: each strategy at its defaults (HSDP where the world spans
-more than one node), then FSDP's two knobs that change memory and communication the most."""
-
-DEFAULT_GPUS_PER_NODE = 8
-
-CHECKPOINTED: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("ddp", {"activation_checkpointing": True}),
-    ("fsdp", {"activation_checkpointing": True}),
-)
-"""Added by ``--activation-checkpointing``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class EstimateOptions:
-    """The step every point estimates.
-
-    Attributes:
-        batch_size: Samples per rank per micro-batch.
-        dtype: ``"fp32"``, or ``"bf16"`` for bf16 autocast (fp32 master weights), as ``run``.
-        gpus_per_node: Ranks per node: a collective whose ranks share a node stays inside
-            it; HSDP shards within a node and replicates across the nodes.
-    """
-
-    batch_size: int = 8
-    dtype: str = "fp32"
-    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
-
-
-@dataclasses.dataclass(frozen=True)
-class EstimatePoint:
-    """One row to estimate: a workload (index), a strategy, its knobs and a world size."""
-
-    workload: int
-    strategy: str
-    knobs: dict[str, Any]
-    world_size: int
-
-
-def spans_nodes(world: int, gpus_per_node: int) -> bool:
-    """Whether ``world`` ranks are whole nodes, more than one: where HSDP is estimated."""
-    return world > gpus_per_node and world % gpus_per_node == 0
-
-
-def estimate_points(
-    workloads: int,
-    strategies: Sequence[str],
-    world_sizes: Sequence[int],
-    *,
-    activation_checkpointing: bool = False,
-    gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
-) -> list[EstimatePoint]:
-    """Every point of an estimate, world sizes innermost.
-
-    HSDP points only where the world spans whole nodes, more than one
-    (``world % gpus_per_node == 0`` and ``world > gpus_per_node``).
-    """
-    variants = VARIANTS + (CHECKPOINTED if activation_checkpointing else ())
-    return [
-        EstimatePoint(index, strategy, dict(knobs), world)
-        for index in range(workloads)
-        for strategy, knobs in variants
-        if strategy in strategies
-        for world in world_sizes
-        if strategy != "hsdp" or spans_nodes(world, gpus_per_node)
-    ]
 
 
 def estimate_point(
@@ -341,7 +266,7 @@ def _by_scope(row: Mapping[str, Any], world: int, gpus_per_node: int) -> dict[st
     """
     groups = row.get("comm_groups")
     if row["strategy"] == "ddp" or not groups:
-        groups = [{"ranks": list(range(world)), "bytes": _comm(row)}]
+        groups = [{"ranks": list(range(world)), "bytes": comm_total(row)}]
     out = {"intra_node": 0, "inter_node": 0}
     for group in groups:
         nodes = {rank // gpus_per_node for rank in group["ranks"]}
@@ -375,71 +300,3 @@ def estimate_environment(options: EstimateOptions, jobs: int) -> dict[str, Any]:
         "jobs": jobs,
         "options": {"batch_size": options.batch_size, "dtype": options.dtype},
     }
-
-
-AGREEMENT = {"static": 0.05, "activation": 0.20, "comm": 0.01, "peak": 0.10}
-"""How close an estimate must be to ``run``'s measurement (relative): static bytes
-(parameters, gradients, optimizer state), the activation peak, communication bytes, and the
-step's peak (the estimate's ``peak_bytes`` against the run's ``tracked_peak_bytes``; runs
-recorded before it lack the latter and are not checked on it)."""
-
-
-def agreement(
-    estimated: Sequence[Mapping[str, Any]], measured: Sequence[Mapping[str, Any]]
-) -> list[dict[str, Any]]:
-    """Estimate against ``run`` for every point both have (model, strategy, knobs, ranks).
-
-    Returns:
-        One row per matched point: the estimated and measured static, activation and
-        communication bytes, each relative error, and ``ok`` when all are within
-        :data:`AGREEMENT`.
-    """
-    by_point = {_match_key(row): row for row in ok_rows(measured)}
-    rows = []
-    for row in ok_rows(estimated):
-        other = by_point.get(_match_key(row))
-        if other is None:
-            continue
-        pairs = {
-            "static": (_static(row), _static(other)),
-            "activation": (row["activation_peak_bytes"], other["activation_peak_bytes"]),
-            "comm": (_comm(row), _comm(other)),
-        }
-        if other.get("tracked_peak_bytes") is not None and row.get("peak_bytes") is not None:
-            pairs["peak"] = (row["peak_bytes"], other["tracked_peak_bytes"])
-        entry: dict[str, Any] = {
-            "model": row["model"],
-            "strategy": row["strategy"],
-            "knobs": dict(row["knobs"]),
-            "world_size": row["world_size"],
-        }
-        ok = True
-        for kind, (mine, theirs) in pairs.items():
-            error = abs(mine - theirs) / theirs if theirs else float(mine != theirs)
-            entry[f"{kind}_estimated"] = mine
-            entry[f"{kind}_measured"] = theirs
-            entry[f"{kind}_error"] = error
-            ok = ok and error <= AGREEMENT[kind]
-        entry["ok"] = ok
-        rows.append(entry)
-    return rows
-
-
-def _match_key(row: Mapping[str, Any]) -> tuple[Any, ...]:
-    knobs = tuple(sorted(dict(row.get("knobs", {})).items()))
-    return (
-        row["model"],
-        row["strategy"],
-        knobs,
-        row["world_size"],
-        row.get("batch_size"),
-        row.get("dtype"),
-    )
-
-
-def _static(row: Mapping[str, Any]) -> int:
-    return int(row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"])  # as run did
-
-
-def _comm(row: Mapping[str, Any]) -> int:
-    return int(sum(dict(row.get("comm_bytes_per_step") or {}).values()))

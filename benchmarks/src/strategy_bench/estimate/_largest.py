@@ -22,13 +22,9 @@ from typing import Any
 import torch.distributed as dist
 
 from strategy_bench._errors import BenchUsageError
-from strategy_bench.estimate._estimate import (
-    EstimateOptions,
-    EstimatePoint,
-    estimate_point,
-    spans_nodes,
-)
+from strategy_bench.estimate._estimate import estimate_point
 from strategy_bench.estimate._fits import DeviceMemory
+from strategy_bench.estimate._points import EstimateOptions, EstimatePoint, spans_nodes
 from strategy_bench.results import OK
 from strategy_bench.workload import WorkloadSpec
 

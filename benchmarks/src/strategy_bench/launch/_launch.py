@@ -125,6 +125,7 @@ def _each_point(plan: Plan, scratch: Path, deadline: float | None, addr: str) ->
             total=len(plan.configs),
             prior_rows=[],
             matmul_flops=env.get("matmul_flops") if env else None,
+            comm_probe=env.get("comm_probe") if env else None,
         )
         begin = time.monotonic()
         remaining = None if deadline is None else max(1.0, deadline - begin)

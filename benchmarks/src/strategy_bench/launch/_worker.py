@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from strategy_bench.launch._budget import TimeBudget
-from strategy_bench.measure import measure, measure_matmul_flops, warm_up_process
+from strategy_bench.measure import measure, measure_matmul_flops, probe_links, warm_up_process
 from strategy_bench.plan import Plan
 from strategy_bench.results import environment, knob_text, merge_ranks, write_results
 from strategy_bench.workload import compile_unavailable, micro_steps, needs_compiler
@@ -47,7 +47,10 @@ def run_rank(plan: Plan, *, rank: int, world_size: int, local_rank: int, init_me
     # (the host build, the deep copies before the wraps) would otherwise run cores x ranks
     # threads.
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    threads = plan.threads_per_rank or max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(threads)
+    if device.type == "cpu":
+        _pin_cores(local_rank, local_world, threads)
     kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(
         plan.backend,
@@ -81,12 +84,21 @@ def _measure_all(plan: Plan, device: torch.device, rank: int, world_size: int) -
         matmul_flops=matmul,
     )
     env["kind"] = plan.kind
+    # Once per run, like the matmul rate: the links, for the estimate's time model.
+    probe = plan.comm_probe
+    if probe is None and world_size > 1 and plan.options.probe_mib:
+        if rank == 0:
+            sizes = " ".join(f"{mib:g}" for mib in plan.options.probe_mib)
+            logger.info("comm probe: %s MiB", sizes)
+        probe = probe_links(device, plan.options.probe_mib)
+    env["comm_probe"] = probe
     env["options"] = {
         "steps": plan.options.steps,
         "warmup": plan.options.warmup,
         "batch_size": plan.options.batch_size,
         "dtype": plan.options.dtype,
         "seed": plan.options.seed,
+        "probe_mib": list(plan.options.probe_mib),
     }
     workloads = [spec.build() for spec in plan.workloads]
     out = Path(plan.out_dir) / "results.json"
@@ -176,6 +188,21 @@ def _fits_on_every_rank(budget: TimeBudget, workload: int) -> bool:
     decision = [budget.fits(workload)]
     dist.broadcast_object_list(decision, src=0)
     return bool(decision[0])
+
+
+def _pin_cores(local_rank: int, local_world: int, threads: int) -> None:
+    """Give each CPU rank cores of its own, where the host has enough for every rank.
+
+    Without it the scheduler at times runs two ranks on one core: steps of one point
+    alternate between two speeds (400 and 800 ms here), and no median is the host's.
+    """
+    if not hasattr(os, "sched_setaffinity"):  # pragma: no cover - macOS, Windows
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if local_world * threads > len(cores):
+        return
+    mine = cores[local_rank * threads : (local_rank + 1) * threads]
+    os.sched_setaffinity(0, mine)
 
 
 def _device(kind: str, local_rank: int) -> torch.device:

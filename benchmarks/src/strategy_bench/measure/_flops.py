@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
+
+from distributed_strategy import derive_seed
+from strategy_bench._compat import FakeTensorMode
+from strategy_bench.measure._accounting import autocast
+
+if TYPE_CHECKING:
+    from strategy_bench.workload import Workload
+
+logger = logging.getLogger(__name__)
+
+_CPU = torch.device("cpu")
 
 # Dense (no sparsity) peak TFLOP/s per GPU from the vendors' datasheets: (bf16, fp32).
 # fp32 is the non-tensor-core rate, what --dtype fp32 runs at under torch's default
@@ -34,6 +46,36 @@ def count_step_flops(step: Callable[[], object]) -> float:
     with FlopCounterMode(display=False, custom_mapping=_cpu_attention()) as counter:
         step()
     return float(counter.get_total_flops())
+
+
+def fake_flops_per_sample(
+    workload: Workload, batch_size: int, dtype: str, seed: int = 0
+) -> float | None:
+    """Training FLOPs per sample: one forward and backward on fake tensors, never a device.
+
+    The model is built on the meta device and stepped on fake tensors (no memory, no real
+    compute): what the wrapped step computes on every rank, whatever the strategy (the
+    optimizer step is not counted, nor the recompute of activation checkpointing). ``None``
+    when the model cannot run on fake tensors (its forward reads values); ``run`` then counts
+    its wrapped step instead.
+    """
+    try:
+        model = workload.meta_model()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device=_CPU)
+            generator = torch.Generator().manual_seed(derive_seed(seed, "flops"))
+            batch = workload.make_batch(batch_size, _CPU, generator)
+
+            def step() -> None:
+                with autocast(dtype, _CPU):
+                    loss = workload.loss(model, batch)
+                loss.backward()  # type: ignore[no-untyped-call]
+
+            flops = count_step_flops(step)
+    except Exception:  # data-dependent forwards: counted on the wrapped step instead
+        logger.debug("FLOPs of %s not countable on fake tensors", workload.name, exc_info=True)
+        return None
+    return flops / batch_size
 
 
 def _cpu_attention() -> dict[Any, Any]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from strategy_bench.measure._probe import PROBE_MIB
+
 CKPT_SAMPLES = 3
 """Rounds of the checkpoint cost per point: ours and raw alternate which goes first."""
 
@@ -21,6 +23,7 @@ class RunOptions:
         wrap_repeats: Warm wraps timed per wrapper (the median is reported).
         ckpt_samples: Rounds of the checkpoint cost (ours and raw alternating; the median
             and the range are reported); ``0`` skips the checkpoint cost.
+        probe_mib: Message sizes of the run's communication probe, in MiB (empty: none).
     """
 
     steps: int = 20
@@ -30,3 +33,4 @@ class RunOptions:
     seed: int = 0
     wrap_repeats: int = 5
     ckpt_samples: int = CKPT_SAMPLES
+    probe_mib: tuple[float, ...] = PROBE_MIB

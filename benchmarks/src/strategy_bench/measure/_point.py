@@ -8,7 +8,8 @@ import gc
 import itertools
 import logging
 import statistics
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -21,15 +22,20 @@ from distributed_strategy import (
     build_sharded_model,
     derive_seed,
 )
-from strategy_bench._compat import FakeTensorMode
 from strategy_bench.measure import _wrappers
 from strategy_bench.measure._accounting import account, accumulate, autocast, parameter_counts
 from strategy_bench.measure._ckpt import checkpoint_cost
-from strategy_bench.measure._flops import count_step_flops
+from strategy_bench.measure._flops import count_step_flops, fake_flops_per_sample
 from strategy_bench.measure._memory import PeakMemory
 from strategy_bench.measure._options import RunOptions
 from strategy_bench.measure._timing import time_steps, timed_ms
-from strategy_bench.workload import Workload, micro_steps, prepare_blocks, training_optimizer
+from strategy_bench.workload import (
+    Workload,
+    micro_steps,
+    needs_compiler,
+    prepare_blocks,
+    training_optimizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,31 +142,9 @@ def _record_init(out: dict[str, Any], prefix: str, peak: MemoryPeak, device: tor
 
 
 def _count_flops(point: _Point) -> float | None:
-    """Training FLOPs per sample: one forward and backward on fake tensors, never the device.
-
-    The model is built on the meta device and stepped on fake tensors (no memory, no real
-    compute), which is what the wrapped step computes on every rank (the optimizer step is not
-    counted). ``None`` when the model cannot run on fake tensors (its forward reads values);
-    the wrapped step is then counted instead (see :func:`_steps`).
-    """
-    workload, options = point.workload, point.options
-    try:
-        model = workload.meta_model()
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model.to_empty(device=_CPU)
-            generator = torch.Generator().manual_seed(derive_seed(options.seed, "flops"))
-            batch = workload.make_batch(options.batch_size, _CPU, generator)
-
-            def step() -> None:
-                with autocast(options.dtype, _CPU):
-                    loss = workload.loss(model, batch)
-                loss.backward()  # type: ignore[no-untyped-call]
-
-            flops = count_step_flops(step)
-    except Exception:  # data-dependent forwards: counted on the wrapped step instead
-        logger.debug("FLOPs of %s not countable on fake tensors", workload.name, exc_info=True)
-        return None
-    return flops / options.batch_size
+    """Training FLOPs per sample on fake tensors (:func:`fake_flops_per_sample`)."""
+    options = point.options
+    return fake_flops_per_sample(point.workload, options.batch_size, options.dtype, options.seed)
 
 
 _CPU = torch.device("cpu")
@@ -238,16 +222,12 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    micro = micro_steps(point.knobs)
+    compute = autocast(options.dtype, device)
+    out.update(_compute_only(point, model))
     wrapped = _wrappers.ours(point.strategy, model, device, point.knobs)
     optimizer = training_optimizer(wrapped.parameters())
-    micro = micro_steps(point.knobs)
-    generator = torch.Generator().manual_seed(derive_seed(options.seed, "data", dist.get_rank()))
-    batches = [
-        workload.make_batch(options.batch_size, device, generator)
-        for _ in range(min(4, (options.steps + options.warmup) * micro))
-    ]
-    cycle = itertools.cycle(batches)
-    compute = autocast(options.dtype, device)
+    cycle = itertools.cycle(_batches(point))
 
     def step() -> None:
         accumulate(wrapped, workload.loss, [next(cycle) for _ in range(micro)], compute)
@@ -281,6 +261,87 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
             out=out,
             samples=point.options.ckpt_samples,
         )
+
+
+def _batches(point: _Point) -> list[Any]:
+    """The step's batches, the same on every call: a few, cycled through."""
+    options, micro = point.options, micro_steps(point.knobs)
+    generator = torch.Generator().manual_seed(derive_seed(options.seed, "data", dist.get_rank()))
+    return [
+        point.workload.make_batch(options.batch_size, point.device, generator)
+        for _ in range(min(4, (options.steps + options.warmup) * micro))
+    ]
+
+
+def _compute_only(point: _Point, model: nn.Module) -> dict[str, float | None]:
+    """``compute_ms`` and ``optimizer_ms``: the step with communication and wrapper removed.
+
+    The same micro-batches, dtype and optimizer on an unwrapped copy of this rank's model:
+    forward, backward and the optimizer step, no collective (the time model's compute part),
+    each rank on its own clock. ``optimizer_ms`` is the optimizer step alone, which a sharded
+    rank runs over its shard only. Both are ``None`` on every rank when any rank could not
+    run the whole model: on a GPU the copy must fit beside what the device holds (parameters,
+    gradients and two AdamW moments, half as much again for the step), and a model that fits
+    only sharded runs out of memory; compiled blocks are not copied.
+    """
+    device = point.device
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    times: dict[str, float | None] = {"compute_ms": None, "optimizer_ms": None}
+    fits = device.type != "cuda" or 6 * size < torch.cuda.mem_get_info(device)[0]
+    if fits and not needs_compiler(point.knobs):
+        try:
+            times = _time_unwrapped(point, copy.deepcopy(model).to(device))
+        except torch.OutOfMemoryError:
+            logger.info("compute_ms: the unwrapped model does not fit this rank's device")
+        gc.collect()  # the copy, its gradients and optimizer state
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    every: list[bool] = [False] * dist.get_world_size()
+    dist.all_gather_object(every, times["compute_ms"] is not None)
+    return times if all(every) else {"compute_ms": None, "optimizer_ms": None}
+
+
+def _time_unwrapped(point: _Point, replica: nn.Module) -> dict[str, float | None]:
+    device, options = point.device, point.options
+    optimizer = training_optimizer(replica.parameters())
+    cycle = itertools.cycle(_batches(point))
+    micro = micro_steps(point.knobs)
+    compute = autocast(options.dtype, device)
+
+    def backward() -> None:
+        accumulate(replica, point.workload.loss, [next(cycle) for _ in range(micro)], compute)
+
+    def step() -> None:
+        backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    count = max(3, options.steps // 2)
+    steps = _local_ms(step, count, warmup=1, device=device)
+    backward()  # gradients for the optimizer alone
+    alone = _local_ms(optimizer.step, count, warmup=0, device=device)
+    return {"compute_ms": statistics.median(steps), "optimizer_ms": statistics.median(alone)}
+
+
+def _local_ms(
+    fn: Callable[[], object], count: int, *, warmup: int, device: torch.device
+) -> list[float]:
+    """``fn``'s milliseconds per call on this rank's clock.
+
+    No collective: a rank that fails (out of memory) leaves no other one waiting.
+    """
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(count):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        out.append((time.perf_counter() - begin) * 1e3)
+    return out
 
 
 def warm_up_process(device: torch.device) -> None:

@@ -44,6 +44,9 @@ class Plan:
         prior_rows: Rows of an earlier run kept by ``--resume``; written before the new ones.
         peak_tflops: ``--peak-tflops``: the MFU denominator per rank (else the datasheet's).
         matmul_flops: The matmul rate measured by the run's first point, handed to the others.
+        comm_probe: The links the run's first point fitted (``env.comm_probe``), handed on.
+        threads_per_rank: Each rank's intra-op threads (``None``: the host's cores shared by
+            its ranks).
     """
 
     device: str
@@ -61,6 +64,8 @@ class Plan:
     prior_rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     peak_tflops: float | None = None
     matmul_flops: float | None = None
+    comm_probe: dict[str, Any] | None = None
+    threads_per_rank: int | None = None
 
     def budget_text(self) -> str:
         """The budget, for progress lines of skipped points."""

@@ -6,38 +6,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from strategy_bench.results import MEMORY_KINDS, byte_unit, knob_text, ok_rows
+from strategy_bench.report._figure import COLOURS, KIND_NAMES, bars, pyplot, save, width
+from strategy_bench.results import MEMORY_KINDS, knob_text, ok_rows
 from strategy_bench.workload import step_knobs
-
-
-def _pyplot() -> Any:
-    """Matplotlib's pyplot on the Agg backend, imported on first use.
-
-    Not at import: every ``strategy-bench`` process and each point's ranks import the bench,
-    and only the report draws (matplotlib's import is about 1 s here).
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # the backend is chosen first
-
-    return plt
-
-
-_COLOURS = (
-    "#4C72B0",
-    "#DD8452",
-    "#55A868",
-    "#C44E52",
-    "#8172B3",
-    "#937860",
-    "#DA8BC3",
-    "#8C8C8C",
-    "#CCB974",
-    "#64B5CD",
-    "#1B3A6B",
-    "#7A3B0F",
-)
 
 
 def run_label(payload: Mapping[str, Any]) -> str:
@@ -91,7 +62,7 @@ def _points(
 
 def _point_figure(groups: Sequence[str]) -> tuple[Any, Any]:
     """A figure wide enough for one bar group per point."""
-    fig, ax = _pyplot().subplots(figsize=(max(7, 1.8 * len(groups)), 4.8))
+    fig, ax = pyplot().subplots(figsize=(max(7, 1.8 * len(groups)), 4.8))
     return fig, ax
 
 
@@ -110,74 +81,15 @@ def _grouped(
     return models, series
 
 
-def _bars(
-    ax: Any,
-    groups: Sequence[str],
-    series: Mapping[str, Sequence[float | None]],
-    *,
-    annotate: Callable[[float], str] | None = None,
-    errors: Mapping[str, Sequence[tuple[float, float] | None]] | None = None,
-) -> None:
-    width = 0.8 / max(1, len(series))
-    for index, (name, values) in enumerate(series.items()):
-        xs = [g + (index - (len(series) - 1) / 2) * width for g in range(len(groups))]
-        heights = [v if v is not None else 0.0 for v in values]
-        yerr = None
-        if errors is not None and name in errors:
-            spans = errors[name]
-            yerr = [
-                [h - s[0] if s else 0.0 for h, s in zip(heights, spans, strict=True)],
-                [s[1] - h if s else 0.0 for h, s in zip(heights, spans, strict=True)],
-            ]
-        bars = ax.bar(
-            xs,
-            heights,
-            width,
-            label=name,
-            color=_COLOURS[index % len(_COLOURS)],
-            yerr=yerr,
-            capsize=4,
-        )
-        if annotate is not None:
-            for bar, value in zip(bars, values, strict=True):
-                if value is not None:
-                    ax.annotate(
-                        annotate(value),
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center",
-                        va="bottom",
-                        fontsize=7,
-                    )
-    ax.set_xticks(range(len(groups)), groups)
-    if len(series) > 4:  # many series (a sweep): keep the legend off the bars
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    else:
-        ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-
-
-def _width(groups: int, series: int) -> float:
-    """Figure width: room for every bar, plus the legend beside them for many series."""
-    bars = max(6.0, 2.2 * groups, 0.6 * groups * series)
-    return bars + (4.5 if series > 4 else 0.0)
-
-
-def _save(fig: Any, path: Path, rect: tuple[float, float, float, float] | None = None) -> Path:
-    fig.tight_layout(rect=rect)
-    fig.savefig(path, dpi=120)
-    _pyplot().close(fig)
-    return path
-
-
 def _throughput(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
     models, series = _grouped(runs, lambda row: row["samples_per_s"])
-    fig, ax = _pyplot().subplots(figsize=(_width(len(models), len(series)), 4.5))
-    _bars(ax, models, series, annotate=lambda v: f"{v:.0f}")
+    fig, ax = pyplot().subplots(figsize=(width(len(models), len(series)), 4.5))
+    bars(ax, models, series, annotate=lambda v: f"{v:.0f}")
     ax.set_ylabel("samples / s (all ranks, higher is better)")
     ratios = _fsdp_over_ddp(runs)
     subtitle = "; ".join(f"{m}: FSDP/DDP {r:.2f}x" for m, r in ratios.items())
     ax.set_title(f"Training throughput, DDP vs FSDP\n{subtitle}", fontsize=10)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _fsdp_over_ddp(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, float]:
@@ -203,7 +115,7 @@ def _wrap_overhead(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) ->
         "raw torch, cold group": [row.get("raw_wrap_cold_ms") for _, row in rows],
     }
     fig, ax = _point_figure(groups)
-    _bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
+    bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
     ax.set_ylabel("wrap time, ms (lower is better)")
     ratios = ", ".join(
         f"{row['model']} {row['strategy'].upper()} {row['wrap_ms'] / row['raw_wrap_ms']:.2f}x"
@@ -214,7 +126,7 @@ def _wrap_overhead(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) ->
         f"Wrap time: ours vs raw torch on the same module\nours/raw (warm): {ratios}", fontsize=9
     )
     ax.tick_params(axis="x", labelsize=7)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _memory(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
@@ -228,22 +140,13 @@ def _memory(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
         for rank in range(world)
     }
     fig, ax = _point_figure(groups)
-    _bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
+    bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
     device = runs[0][1]["env"]["device"]
     what = "CUDA allocator peak" if device == "cuda" else "process RSS peak (whole process)"
     ax.set_ylabel(f"MiB per rank ({what})")
     ax.set_title("Peak memory per rank during training steps", fontsize=10)
     ax.tick_params(axis="x", labelsize=7)
-    return _save(fig, path)
-
-
-_KIND_NAMES = {
-    "param": "parameters",
-    "grad": "gradients",
-    "optimizer": "optimizer state",
-    "ddp_bucket": "DDP gradient buckets",
-    "activation_peak": "activations saved for backward",
-}
+    return save(fig, path)
 
 
 def _memory_breakdown(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path | None:
@@ -253,9 +156,9 @@ def _memory_breakdown(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path)
         return None
     fig, ax = _point_figure(groups)
     bottom = [0.0] * len(rows)
-    for kind, color in zip(MEMORY_KINDS, _COLOURS, strict=False):
+    for kind, color in zip(MEMORY_KINDS, COLOURS, strict=False):
         values = [(row.get(f"{kind}_bytes") or 0) / 2**20 for _, row in rows]
-        ax.bar(groups, values, bottom=bottom, label=_KIND_NAMES[kind], color=color)
+        ax.bar(groups, values, bottom=bottom, label=KIND_NAMES[kind], color=color)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     for x, total in enumerate(bottom):
         ax.annotate(f"{total:.1f}", (x, total), ha="center", va="bottom", fontsize=8)
@@ -266,7 +169,7 @@ def _memory_breakdown(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path)
     )
     ax.legend(fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _checkpoint(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path | None:
@@ -280,7 +183,7 @@ def _checkpoint(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Pa
         "load, checkpoint-io (verified)": [row["ckpt_load_ms"] for _, row in rows],
     }
     fig, ax = _point_figure(groups)
-    _bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
+    bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
     ax.set_ylabel("ms (lower is better)")
     sizes = ", ".join(
         f"{row['model']} {row['strategy'].upper()} {row['ckpt_bytes'] / 2**20:.1f} MiB"
@@ -288,7 +191,7 @@ def _checkpoint(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Pa
     )
     ax.set_title(f"Checkpoint cost (model + optimizer)\n{sizes}", fontsize=9)
     ax.tick_params(axis="x", labelsize=7)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _step_spread(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
@@ -302,11 +205,11 @@ def _step_spread(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> P
         ]
         for name in series
     }
-    fig, ax = _pyplot().subplots(figsize=(_width(len(models), len(series)), 4.5))
-    _bars(ax, models, series, annotate=lambda v: f"{v:.1f}", errors=errors)
+    fig, ax = pyplot().subplots(figsize=(width(len(models), len(series)), 4.5))
+    bars(ax, models, series, annotate=lambda v: f"{v:.1f}", errors=errors)
     ax.set_ylabel("step time, ms: median, whiskers p10-p90")
     ax.set_title("Training step time and its spread", fontsize=10)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _init(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path | None:
@@ -319,11 +222,11 @@ def _init(runs: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path | N
         'source="local" (every rank builds)': [row["init_ms"] for _, row in rows],
         'source="rank0" (build once, broadcast)': [row.get("init_rank0_ms") for _, row in rows],
     }
-    fig, ax = _pyplot().subplots(figsize=(max(6, 1.8 * len(groups)), 4.5))
-    _bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
+    fig, ax = pyplot().subplots(figsize=(max(6, 1.8 * len(groups)), 4.5))
+    bars(ax, groups, series, annotate=lambda v: f"{v:.0f}")
     ax.set_ylabel("replica build time, ms (slowest rank)")
     ax.set_title("Replica construction: local vs rank-0 broadcast", fontsize=10)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_sweep(payload: Mapping[str, Any], path: Path) -> Path:
@@ -332,7 +235,7 @@ def plot_sweep(payload: Mapping[str, Any], path: Path) -> Path:
     Triangles mark points with a knob of the trainer's step (accumulation, checkpointing,
     compile); circles the wrapper's knobs and the defaults.
     """
-    fig, ax = _pyplot().subplots(figsize=(8, 5.5))
+    fig, ax = pyplot().subplots(figsize=(8, 5.5))
     for index, strategy in enumerate(("ddp", "fsdp", "hsdp")):
         rows = [r for r in ok_rows(payload["results"]) if r["strategy"] == strategy]
         if not rows:
@@ -350,7 +253,7 @@ def plot_sweep(payload: Mapping[str, Any], path: Path) -> Path:
                     [xs[i] for i in picked],
                     [ys[i] for i in picked],
                     label=label,
-                    color=_COLOURS[index],
+                    color=COLOURS[index],
                     marker=marker,
                     s=40,
                 )
@@ -363,152 +266,4 @@ def plot_sweep(payload: Mapping[str, Any], path: Path) -> Path:
     ax.set_title(f"Strategy knobs: throughput vs memory ({', '.join(models)})", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(fig, path)
-
-
-def plot_estimate(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """``estimate.png``: per-rank memory against world size, stacked by kind.
-
-    One panel per model and point (strategy and knobs), world sizes on the x axis; the
-    communication bytes per step are written above each bar.
-    """
-    rows = ok_rows(rows)
-    unit, scale = byte_unit(max(row["total_bytes"] for row in rows))
-    models = list(dict.fromkeys(row["model"] for row in rows))
-    variants = list(dict.fromkeys((row["strategy"], knob_text(row["knobs"], ", ")) for row in rows))
-    fig, axes = _pyplot().subplots(
-        len(models),
-        len(variants),
-        figsize=(3.6 * len(variants), 3.8 * len(models)),
-        squeeze=False,
-        sharey="row",
-    )
-    for r, model in enumerate(models):
-        for c, (strategy, knobs) in enumerate(variants):
-            ax = axes[r][c]
-            mine = [
-                row
-                for row in rows
-                if row["model"] == model
-                and (row["strategy"], knob_text(row["knobs"], ", ")) == (strategy, knobs)
-            ]
-            xs = list(range(len(mine)))
-            bottom = [0.0] * len(mine)
-            for kind, color in zip(MEMORY_KINDS, _COLOURS, strict=False):
-                values = [(row.get(f"{kind}_bytes") or 0) / scale for row in mine]
-                ax.bar(xs, values, bottom=bottom, label=_KIND_NAMES[kind], color=color)
-                bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-            ax.set_xticks(xs, [str(row["world_size"]) for row in mine])
-            for x, (total, row) in enumerate(zip(bottom, mine, strict=True)):
-                comm = sum((row.get("comm_bytes_per_step") or {}).values()) / scale
-                cross = (row.get("comm_bytes_by_scope") or {}).get("inter_node", 0) / scale
-                ax.annotate(
-                    f"{total:.1f}\ncomm {comm:.2f}\nx-node {cross:.2f}",
-                    (x, total),
-                    ha="center",
-                    va="bottom",
-                    fontsize=6,
-                )
-            ax.set_title(f"{model}: {strategy.upper()} {knobs or 'defaults'}", fontsize=8)
-            ax.set_xlabel("world size (ranks)", fontsize=8)
-            ax.grid(axis="y", alpha=0.3)
-            ax.margins(y=0.15)
-            if c == 0:
-                ax.set_ylabel(f"{unit} per rank (estimated)", fontsize=8)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
-    fig.suptitle(
-        f"Estimated memory per rank by kind; comm = {unit} each rank sends per step, x-node = "
-        "the part that crosses nodes",
-        fontsize=10,
-    )
-    return _save(fig, path, rect=(0, 0.05, 1, 1))  # room for the legend below
-
-
-def plot_largest(entries: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """``largest.png``: the largest model that fits against world size, one line per strategy.
-
-    One panel per model family; a line per strategy and knobs; a family of which not even
-    the smallest member fits has no point at that world size.
-    """
-    models = list(dict.fromkeys(entry["model"] for entry in entries))
-    fig, axes = _pyplot().subplots(1, len(models), figsize=(5.5 * len(models), 4.2), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
-        mine = [entry for entry in entries if entry["model"] == model]
-        lines = list(dict.fromkeys((e["strategy"], knob_text(e["knobs"], ", ")) for e in mine))
-        for (strategy, knobs), colour in zip(lines, _COLOURS, strict=False):
-            points = [
-                (e["world_size"], e["largest_params"] / 1e9)
-                for e in mine
-                if (e["strategy"], knob_text(e["knobs"], ", ")) == (strategy, knobs)
-                and e["largest_params"] is not None
-            ]
-            if points:
-                xs, ys = zip(*points, strict=True)
-                label = f"{strategy.upper()} {knobs or 'defaults'}"
-                ax.plot(xs, ys, marker="o", color=colour, label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("world size (ranks)")
-        ax.set_ylabel("largest model that fits (billion parameters)")
-        scaled = mine[0]["scale_param"] if mine else "?"
-        ax.set_title(f"{model}, scaled in {scaled}", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("Largest model per rank's device memory (estimated peak)", fontsize=10)
-    return _save(fig, path)
-
-
-_PHASE_SHADES = {"forward": "#EAF1FB", "backward": "#FBEFE6", "optimizer": "#EAF6EC"}
-
-
-def plot_timeline(rows: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
-    """``timeline.png``: the tracked step's live memory against its phases, per strategy.
-
-    One panel per model, at the smallest world size estimated; a line per strategy and
-    knobs over the step (forward, backward, optimizer, shaded by the first line's phases),
-    its peak marked. ``None`` when no row has a timeline.
-    """
-    rows = [row for row in ok_rows(rows) if row.get("memory_timeline")]
-    if not rows:
-        return None
-    models = list(dict.fromkeys(row["model"] for row in rows))
-    fig, axes = _pyplot().subplots(len(models), 1, figsize=(8, 3.4 * len(models)), squeeze=False)
-    unit, scale = byte_unit(max(row["tracked_peak_bytes"] for row in rows))
-    for ax, model in zip((row[0] for row in axes), models, strict=True):
-        mine = [row for row in rows if row["model"] == model]
-        world = min(row["world_size"] for row in mine)
-        mine = [row for row in mine if row["world_size"] == world]
-        for index, (row, colour) in enumerate(zip(mine, _COLOURS, strict=False)):
-            samples = row["memory_timeline"]
-            xs = [i / max(1, len(samples) - 1) for i in range(len(samples))]
-            ys = [value / scale for _, value in samples]
-            label = f"{row['strategy'].upper()} {knob_text(row['knobs'], ', ') or 'defaults'}"
-            ax.plot(xs, ys, color=colour, label=label, linewidth=1.2)
-            top = max(range(len(ys)), key=ys.__getitem__)
-            ax.plot([xs[top]], [ys[top]], marker="v", color=colour)
-            if index == 0:
-                for phase, begin, end in _phase_spans([p for p, _ in samples], xs):
-                    ax.axvspan(begin, end, color=_PHASE_SHADES.get(phase, "#F2F2F2"), zorder=0)
-                    ax.text(
-                        (begin + end) / 2,
-                        0.02,
-                        phase,
-                        ha="center",
-                        fontsize=7,
-                        transform=ax.get_xaxis_transform(),
-                    )
-        ax.set_xlabel("progress through one training step")
-        ax.set_ylabel(f"live tensors, {unit} per rank")
-        ax.set_title(f"{model}, {world} ranks: memory over the step (peak marked)", fontsize=10)
-        ax.legend(fontsize=7)
-    return _save(fig, path)
-
-
-def _phase_spans(phases: Sequence[str], xs: Sequence[float]) -> list[tuple[str, float, float]]:
-    spans: list[tuple[str, float, float]] = []
-    for phase, x in zip(phases, xs, strict=True):
-        if spans and spans[-1][0] == phase:
-            spans[-1] = (phase, spans[-1][1], x)
-        else:
-            spans.append((phase, x, x))
-    return spans
+    return save(fig, path)

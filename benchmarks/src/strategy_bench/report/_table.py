@@ -75,6 +75,7 @@ def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
     )
     unit, scale = byte_unit(largest)
     with_fits = any("fits" in row for row in rows)
+    with_time = any(row.get("predicted_step_ms") for row in rows)
 
     def size(value: float) -> str:
         return f"{value / scale:.2f}"
@@ -102,6 +103,7 @@ def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
         f"comm {unit}/step",
         f"cross-node {unit}/step",
         "init host r0/others, device: local | rank0",
+        *(("step ms (exposed comm)", "samples/s") if with_time else ()),
     )
     lines: list[tuple[str, ...]] = [header]
 
@@ -139,9 +141,58 @@ def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
                 " ".join(f"{kind} {size(value)}" for kind, value in comm.items()) or "-",
                 size((row.get("comm_bytes_by_scope") or {}).get("inter_node", 0)),
                 init(row) or "-",
+                *(_predicted(row) if with_time else ()),
             )
         )
     return _render(lines)
+
+
+def _predicted(row: Mapping[str, Any]) -> tuple[str, str]:
+    """The predicted step, its exposed communication, and samples/s."""
+    step = row.get("predicted_step_ms")
+    if not step:
+        return "-", "-"
+    exposed = sum(row["predicted_parts_ms"]["exposed_comm"].values())
+    return f"{step:.1f} ({exposed:.1f})", f"{row['predicted_samples_per_s']:.1f}"
+
+
+def recommendation_table(entries: Sequence[Mapping[str, Any]], *, markdown: bool = False) -> str:
+    """Per model and world size: the recommended point, its step, the runner-up, the margin."""
+    header = ("model", "ranks", "recommended", "step ms", "samples/s", "runner-up", "margin")
+    lines: list[tuple[str, ...]] = [header]
+    for entry in entries:
+        if entry["strategy"] is None:
+            lines.append(
+                (str(entry["model"]), str(entry["world_size"]), "nothing fits") + ("-",) * 4
+            )
+            continue
+        runner = entry.get("runner_up")
+        lines.append(
+            (
+                str(entry["model"]),
+                str(entry["world_size"]),
+                choice_text(entry),
+                f"{entry['predicted_step_ms']:.1f}",
+                f"{entry['predicted_samples_per_s']:.1f}",
+                "-"
+                if runner is None
+                else f"{choice_text(runner)} ({runner['predicted_step_ms']:.1f} ms)",
+                "-" if entry.get("margin") is None else f"{100 * entry['margin']:.1f}% faster",
+            )
+        )
+    return _markdown(lines) if markdown else _render(lines)
+
+
+def choice_text(choice: Mapping[str, Any]) -> str:
+    """``fsdp reshard_after_forward=False``: a strategy and its knobs."""
+    knobs = knob_text(choice.get("knobs"))
+    return f"{choice['strategy']} {knobs}".strip()
+
+
+def _markdown(lines: Sequence[tuple[str, ...]]) -> str:
+    table = [f"| {' | '.join(line)} |" for line in lines]
+    table.insert(1, "|" + "---|" * len(lines[0]))
+    return "\n".join(table)
 
 
 def agreement_table(rows: Sequence[Mapping[str, Any]], *, markdown: bool = False) -> str:
@@ -156,6 +207,7 @@ def agreement_table(rows: Sequence[Mapping[str, Any]], *, markdown: bool = False
         "comm MiB est/meas (err)",
         "peak MiB est/meas (err)",
         "within tolerance",
+        "step ms pred/meas (err)",
     )
     lines: list[tuple[str, ...]] = [header]
     for row in rows:
@@ -174,13 +226,13 @@ def agreement_table(rows: Sequence[Mapping[str, Any]], *, markdown: bool = False
                 str(row["world_size"]),
                 *cells,
                 "yes" if row["ok"] else "NO",
+                f"{row['step_predicted_ms']:.1f} / {row['step_measured_ms']:.1f} "
+                f"({100 * row['step_error']:+.1f}%)"
+                if row.get("step_error") is not None
+                else "-",
             )
         )
-    if not markdown:
-        return _render(lines)
-    table = [f"| {' | '.join(line)} |" for line in lines]
-    table.insert(1, "|" + "---|" * len(header))
-    return "\n".join(table)
+    return _markdown(lines) if markdown else _render(lines)
 
 
 def largest_table(entries: Sequence[Mapping[str, Any]]) -> str:

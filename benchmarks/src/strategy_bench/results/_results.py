@@ -157,6 +157,8 @@ def merge_ranks(
         "step_ms_p10": stats["p10"],
         "step_ms_p90": stats["p90"],
         "step_ms": steps,
+        "compute_ms": _max_or_none(per_rank, "compute_ms"),
+        "optimizer_ms": _max_or_none(per_rank, "optimizer_ms"),
         "samples_per_s": samples_per_s,
         "tokens_per_s": None if tokens_per_sample is None else samples_per_s * tokens_per_sample,
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in per_rank),

@@ -1,0 +1,105 @@
+"""``estimate``'s step time: its arguments, its time model, and the rows accumulation adds."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from strategy_bench._errors import BenchUsageError
+from strategy_bench.cli._args import read_or_usage_error
+from strategy_bench.estimate import (
+    DEFAULT_ASSUMED_MFU,
+    DEFAULT_INTER_NODE_GBPS,
+    DeviceMemory,
+    EstimateOptions,
+    TimeModel,
+    accumulation_points,
+    annotate_fits,
+    calibrated_model,
+    datasheet_model,
+    run_estimate,
+)
+from strategy_bench.results import OK
+from strategy_bench.workload import WorkloadSpec
+
+
+def add_time_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--calibrate``, ``--assumed-mfu``, ``--inter-node-gbps``."""
+    parser.add_argument(
+        "--calibrate",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="RESULTS.json",
+        help=(
+            "predict the step time from runs on the target kind of host: compute from their "
+            "world-size-1 points, links from their comm probe (a run on 2+ ranks)"
+        ),
+    )
+    parser.add_argument(
+        "--assumed-mfu",
+        type=float,
+        default=DEFAULT_ASSUMED_MFU,
+        metavar="F",
+        help=f"without --calibrate: the share of --gpu's peak a step reaches (default "
+        f"{DEFAULT_ASSUMED_MFU:g})",
+    )
+    parser.add_argument(
+        "--inter-node-gbps",
+        type=float,
+        default=None,
+        metavar="GBPS",
+        help=f"network bandwidth per GPU across nodes, Gb/s (default {DEFAULT_INTER_NODE_GBPS:g} "
+        "without --calibrate; with it, the probe's)",
+    )
+
+
+def time_model(args: argparse.Namespace, device: DeviceMemory | None) -> TimeModel | None:
+    """The time model the arguments ask for: calibrated, from the datasheet, or none.
+
+    Raises:
+        BenchUsageError: A bad ``--inter-node-gbps`` or ``--assumed-mfu``, or calibration
+            results without what the model needs.
+    """
+    if args.inter_node_gbps is not None and not args.inter_node_gbps > 0:
+        raise BenchUsageError(f"--inter-node-gbps must be positive, got {args.inter_node_gbps:g}")
+    if args.calibrate:
+        return calibrated_model(
+            [read_or_usage_error(path) for path in args.calibrate],
+            inter_node_gbps=args.inter_node_gbps,
+            gpus_per_node=args.gpus_per_node,
+            names=[str(path) for path in args.calibrate],
+        )
+    return datasheet_model(
+        device.name if device is not None and args.gpu else None,
+        args.dtype,
+        assumed_mfu=args.assumed_mfu,
+        inter_node_gbps=args.inter_node_gbps,
+        gpus_per_node=args.gpus_per_node,
+    )
+
+
+def accumulated_rows(
+    specs: Sequence[WorkloadSpec],
+    rows: Sequence[dict[str, Any]],
+    options: EstimateOptions,
+    device: DeviceMemory,
+    *,
+    jobs: int,
+    progress: Callable[[int, int, dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Each point that does not fit, again with gradient accumulation at the same global batch.
+
+    ``grad_accum=k`` over micro-batches of ``batch / k`` (k dividing the batch), so that the
+    recommendation can pick a strategy that fits only that way; annotated with ``fits``.
+    """
+    names = [spec.build().name for spec in specs]
+    out: list[dict[str, Any]] = []
+    for steps, points in accumulation_points(rows, options.batch_size, names).items():
+        micro = dataclasses.replace(options, batch_size=options.batch_size // steps)
+        for row in run_estimate(specs, points, micro, jobs=jobs, progress=progress):
+            out.append({**row, **annotate_fits(row, device)} if row["status"] == OK else row)
+    return out

@@ -1,0 +1,253 @@
+"""What the time model reads: links, compute rates and their sources, from datasheets or a run.
+
+``--calibrate`` builds it from ``run`` results on the target kind of host (world-size-1 steps,
+``compute_ms``, the communication probe); without it, ``--gpu`` builds it from the datasheet's
+peak times ``--assumed-mfu`` and per-GPU link bandwidths. :mod:`._time_model` predicts with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from strategy_bench._errors import BenchUsageError
+from strategy_bench.measure import PROBE_KINDS, datasheet_peak
+
+DEFAULT_ASSUMED_MFU = 0.4
+"""The share of the datasheet peak a step computes at when nothing was measured: 35-45% is
+what well-tuned dense transformer training reaches on H100s (bf16, large batches)."""
+
+DEFAULT_INTER_NODE_GBPS = 400.0
+"""Network bandwidth per GPU across nodes, Gb/s: one 400 Gb/s NIC per GPU (InfiniBand NDR or
+400 GbE), the usual H100/H200 cluster."""
+
+DATASHEET_NVLINK_GBS: dict[str, float] = {
+    "B200": 900.0,
+    "H200": 450.0,
+    "H100": 450.0,
+    "A100-80GB": 300.0,
+    "A100-40GB": 300.0,
+    "L40S": 32.0,
+    "A10G": 32.0,
+    "L4": 32.0,
+}
+"""Per-GPU bandwidth inside a node, GB/s each way: NVLink 5 (1.8 TB/s both ways), NVLink 4
+(900 GB/s), NVLink 3 (600 GB/s); PCIe 4.0 x16 for the cards without NVLink."""
+
+DEFAULT_LATENCY_US = {"intra_node": 10.0, "inter_node": 20.0}
+"""Per-collective latency assumed without a probe (small-message NCCL on NVLink and IB)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeModel:
+    """What a prediction reads: links, compute, peak, and where each came from.
+
+    Attributes:
+        links: ``{"intra_node" | "inter_node": {collective: {"latency_us", "busbw_gbps"}}}``.
+        points: Calibrated world-size-1 rows by :func:`point_key` (``step_ms_median``,
+            ``optimizer_ms``).
+        models: Calibrated unwrapped steps by ``(model, batch_size, dtype, checkpointed)``:
+            ``compute_ms``, ``optimizer_ms``.
+        flops_rate: FLOP/s per rank for models not calibrated (``None``: unknown).
+        peak_flops: The MFU denominator per rank (``None``: no peak known).
+        overlap: Whether communication runs behind compute (GPUs: copy engines and NCCL's
+            own SMs); ``False`` exposes all of it (a CPU host: gloo on the compute's cores).
+        bf16_rate: FLOP/s of a point that computes in bf16 under an fp32 run (FSDP's
+            ``param_dtype``), from the datasheet's bf16 peak (``None``: as ``flops_rate``).
+        gpus_per_node: Ranks per node.
+        sources: Every assumption and where it came from (``env.time_model``).
+    """
+
+    links: dict[str, dict[str, dict[str, float]]]
+    points: dict[tuple[Any, ...], dict[str, float]]
+    models: dict[tuple[Any, ...], dict[str, float]]
+    flops_rate: float | None
+    peak_flops: float | None
+    gpus_per_node: int
+    sources: dict[str, Any]
+    bf16_rate: float | None = None
+    overlap: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        """``env.time_model``: the links and rates used, and every source."""
+        return {
+            "links": self.links,
+            "flops_rate": self.flops_rate,
+            "peak_flops": self.peak_flops,
+            "gpus_per_node": self.gpus_per_node,
+            "calibrated_points": len(self.points),
+            "overlap": self.overlap,
+            "calibrated_models": sorted({key[0] for key in self.models}),
+            "sources": self.sources,
+        }
+
+
+def point_key(row: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A point without its world size: model, strategy, knobs, batch per rank, dtype."""
+    knobs = tuple(sorted(dict(row.get("knobs") or {}).items()))
+    return row["model"], row["strategy"], knobs, row.get("batch_size"), row.get("dtype")
+
+
+def _uniform(latency_us: float, busbw_gbps: float) -> dict[str, dict[str, float]]:
+    return {kind: {"latency_us": latency_us, "busbw_gbps": busbw_gbps} for kind in PROBE_KINDS}
+
+
+def datasheet_model(
+    gpu: str | None,
+    dtype: str,
+    *,
+    assumed_mfu: float,
+    inter_node_gbps: float | None,
+    gpus_per_node: int,
+) -> TimeModel | None:
+    """The time model from datasheets: ``None`` without a known ``--gpu``.
+
+    Raises:
+        BenchUsageError: An ``assumed_mfu`` outside (0, 1], or a GPU whose peak in ``dtype``
+            the FLOPs table lacks.
+    """
+    if gpu is None:
+        return None
+    _check_mfu(assumed_mfu)
+    found = datasheet_peak(gpu, dtype)
+    if found is None:
+        raise BenchUsageError(
+            f"--gpu {gpu!r}: no datasheet peak for --dtype {dtype}; give --calibrate RESULTS.json "
+            "from a run on that GPU"
+        )
+    peak, peak_source = found
+    bf16 = datasheet_peak(gpu, "bf16")
+    intra = DATASHEET_NVLINK_GBS[gpu]
+    inter = DEFAULT_INTER_NODE_GBPS if inter_node_gbps is None else inter_node_gbps
+    return TimeModel(
+        links={
+            "intra_node": _uniform(DEFAULT_LATENCY_US["intra_node"], intra),
+            "inter_node": _uniform(DEFAULT_LATENCY_US["inter_node"], inter / 8),
+        },
+        points={},
+        models={},
+        flops_rate=peak * assumed_mfu,
+        peak_flops=peak,
+        bf16_rate=None if bf16 is None else bf16[0] * assumed_mfu,
+        gpus_per_node=gpus_per_node,
+        sources={
+            "compute": f"{peak_source} x --assumed-mfu {assumed_mfu:g}; optimizer not counted",
+            "intra_node": f"datasheet: {gpu} {intra:g} GB/s per GPU each way, "
+            f"{DEFAULT_LATENCY_US['intra_node']:g} us per collective (assumed)",
+            "inter_node": _inter_source(inter_node_gbps),
+        },
+    )
+
+
+def _inter_source(inter_node_gbps: float | None) -> str:
+    given = "--inter-node-gbps" if inter_node_gbps is not None else "default"
+    gbps = DEFAULT_INTER_NODE_GBPS if inter_node_gbps is None else inter_node_gbps
+    return (
+        f"{given}: {gbps:g} Gb/s per GPU, {DEFAULT_LATENCY_US['inter_node']:g} us per "
+        "collective (assumed)"
+    )
+
+
+def _check_mfu(assumed_mfu: float) -> None:
+    if not 0 < assumed_mfu <= 1:
+        raise BenchUsageError(f"--assumed-mfu must be in (0, 1], got {assumed_mfu:g}")
+
+
+def calibrated_model(
+    payloads: Sequence[Mapping[str, Any]],
+    *,
+    inter_node_gbps: float | None,
+    gpus_per_node: int,
+    names: Sequence[str] = (),
+) -> TimeModel:
+    """The time model from ``run`` results on the target kind of host (``--calibrate``).
+
+    Compute comes from the measured rows, the fewest ranks first: a point's whole step at
+    world size 1, and each model's ``compute_ms`` (the step without communication, at any
+    world size: at several ranks per host it includes their contention for the host).
+    Links come from the ``env.comm_probe`` of a run with two ranks or more (the first one
+    found); one that spanned one node stands for inter-node links too, unless
+    ``inter_node_gbps`` is given (said in ``sources``). On a CPU host the communication is not
+    overlapped (``overlap``).
+
+    Raises:
+        BenchUsageError: No row with ``compute_ms``, or no probe.
+    """
+    points: dict[tuple[Any, ...], dict[str, float]] = {}
+    models: dict[tuple[Any, ...], dict[str, float]] = {}
+    rates: list[tuple[float, float]] = []  # (FLOPs per step, FLOP/s)
+    probe: Mapping[str, Any] | None = None
+    probe_from = ""
+    measured: list[tuple[Mapping[str, Any], Mapping[str, Any]]] = []
+    for name, payload in zip(names or [""] * len(payloads), payloads, strict=True):
+        env = payload.get("env", {})
+        if probe is None and env.get("comm_probe"):
+            probe, probe_from = env["comm_probe"], name
+        measured += [
+            (row, env)
+            for row in payload.get("results", [])
+            if row.get("status") == "ok" and row.get("compute_ms") is not None
+        ]
+    if not measured:
+        raise BenchUsageError(
+            "--calibrate: no measured point with compute_ms in these results; run "
+            "`strategy-bench run --world-size 1` on the target kind of host first"
+        )
+    measured.sort(key=lambda pair: int(pair[0]["world_size"]))  # the fewest ranks first
+    _, first_env = measured[0]
+    for row, _env in measured:
+        optimizer = float(row.get("optimizer_ms") or 0.0)
+        if row["world_size"] == 1:  # the whole step, with no one to talk to
+            step = {"step_ms": float(row["step_ms_median"]), "optimizer_ms": optimizer}
+            points.setdefault(point_key(row), step)
+        checkpointed = bool(row["knobs"].get("activation_checkpointing"))
+        per_sample = (float(row["compute_ms"]) - optimizer) / row["batch_size"]
+        key = (row["model"], row.get("dtype"), checkpointed)
+        models.setdefault(key, {"ms_per_sample": per_sample, "optimizer_ms": optimizer})
+        if row.get("flops_per_sample") and not checkpointed and per_sample > 0:
+            flops = float(row["flops_per_sample"])
+            rates.append((flops * row["batch_size"], flops / (per_sample / 1e3)))
+    threads, peak = first_env.get("cpu_threads"), first_env.get("peak_flops")
+    overlap = first_env.get("device") != "cpu"
+    if probe is None or "intra_node" not in probe:
+        raise BenchUsageError(
+            "--calibrate: no communication probe (env.comm_probe) in these results; add a run "
+            "on two ranks or more (`strategy-bench run --world-size 2`, its probe is timed first)"
+        )
+    links = {"intra_node": _links(probe["intra_node"])}
+    sources: dict[str, Any] = {
+        "compute": "calibration: the same point at world size 1, else the model's compute_ms "
+        "there, else the largest calibrated model's FLOP/s",
+        "cpu_threads": threads,
+        "intra_node": f"calibration: comm_probe of {probe_from or 'the run'} "
+        f"({probe['intra_node'][PROBE_KINDS[0]]['ranks']} ranks, sizes "
+        f"{' '.join(f'{mib:g}' for mib in probe.get('sizes_mib', []))} MiB)",
+    }
+    if inter_node_gbps is not None:
+        links["inter_node"] = _uniform(DEFAULT_LATENCY_US["inter_node"], inter_node_gbps / 8)
+        sources["inter_node"] = _inter_source(inter_node_gbps)
+    elif "inter_node" in probe:
+        links["inter_node"] = _links(probe["inter_node"])
+        sources["inter_node"] = "calibration: comm_probe across nodes"
+    else:
+        links["inter_node"] = links["intra_node"]
+        sources["inter_node"] = (
+            "calibration: the probe spanned one node; its links stand for inter-node ones "
+            "(give --inter-node-gbps for a network)"
+        )
+    if not overlap:
+        sources["overlap"] = (
+            "none: the calibration ran on CPU, where gloo's communication runs on the cores "
+            "the compute uses"
+        )
+    rate = max(rates)[1] if rates else None
+    return TimeModel(links, points, models, rate, peak, gpus_per_node, sources, overlap=overlap)
+
+
+def _links(fits: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    return {
+        kind: {"latency_us": float(fit["latency_us"]), "busbw_gbps": float(fit["busbw_gbps"])}
+        for kind, fit in fits.items()
+        if kind in PROBE_KINDS
+    }

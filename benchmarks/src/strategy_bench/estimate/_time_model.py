@@ -1,0 +1,253 @@
+"""The estimate's step time: compute, communication, and what of it the step exposes.
+
+A row's communication is what its fake step moved (``comm_bytes_by_dim``: bytes per mesh
+dimension and collective) over links fitted as ``latency + bytes * factor / busbw``
+(:mod:`strategy_bench.measure._probe`, nccl-tests' bus factors). Each collective goes over the
+link of its group: inside a node when the group's ranks share one, across nodes otherwise.
+
+Overlap, per strategy (a step of ``m`` micro-batches; forward one third of a micro-step's
+compute, backward two thirds, as their FLOPs are):
+
+* DDP: the gradient buckets are all-reduced behind the last micro-step's backward, the last
+  bucket after it: ``exposed = last bucket + max(0, the others - backward)``. ``bucket_cap_mb``
+  sets the buckets' count (a latency each) and the last one's size.
+* FSDP: each unit's all-gather is prefetched one unit ahead, in forward and again in
+  backward (``reshard_after_forward``), and its reduce-scatter runs behind the next unit's
+  backward: ``exposed = first gather + (units - 1) * max(0, a unit's comm - its compute) +
+  last reduce-scatter``, per micro-step (the reduce-scatters on the last one only).
+* HSDP: FSDP within the shard group, plus the all-reduce of each unit's reduced shard across
+  the replicas, behind backward after its reduce-scatter (the last one exposed).
+
+Compute, in this order of preference (``predicted_parts_ms.compute_source``): the same point
+measured at world size 1 by the calibration run (its step, the optimizer part divided by the
+shard degree); the same model's ``compute_ms`` there (the unwrapped step), times the
+recompute of activation checkpointing when the run had none; the model's FLOPs at the
+calibration's achieved FLOP/s; the FLOPs at the datasheet peak times ``--assumed-mfu``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from strategy_bench.estimate._time_inputs import TimeModel, point_key
+from strategy_bench.measure import collective_seconds
+from strategy_bench.workload import micro_steps
+
+BUCKET_CAPS_MB = (1.0, 5.0, 25.0, 100.0)
+"""DDP ``bucket_cap_mb`` values every DDP row is predicted at; torch's default is 25."""
+
+DDP_FIRST_BUCKET_BYTES = 2**20
+"""DDP's first bucket (the last parameters, ready first) is capped at 1 MiB."""
+
+FORWARD_SHARE = 1 / 3
+"""Forward's share of a micro-step's forward and backward (backward is twice the FLOPs)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    ranks: int
+    scope: str
+
+
+def _groups(strategy: str, world: int, gpus_per_node: int) -> dict[str, _Group]:
+    """Each mesh dimension's group size and link (HSDP shards within a node)."""
+    whole = _Group(world, "intra_node" if world <= gpus_per_node else "inter_node")
+    if strategy == "hsdp":
+        shard = min(gpus_per_node, world)
+        replicate = max(1, world // shard)
+        return {
+            "world": whole,
+            "shard": _Group(shard, "intra_node"),
+            "replicate": _Group(replicate, "inter_node" if replicate > 1 else "intra_node"),
+        }
+    return {"world": whole, "shard": whole, "replicate": whole}
+
+
+def annotate_time(rows: Sequence[dict[str, Any]], model: TimeModel) -> None:
+    """Add the prediction to every ok row, in place.
+
+    DDP rows also get ``predicted_by_bucket_ms``: the step at each of :data:`BUCKET_CAPS_MB`.
+    """
+    for row in rows:
+        if row.get("status") != "ok":
+            continue
+        row.update(predict(row, model))
+        if row["strategy"] == "ddp" and "bucket_cap_mb" not in row["knobs"]:
+            row["predicted_by_bucket_ms"] = {
+                str(cap): predict(row, model, bucket_cap_mb=cap)["predicted_step_ms"]
+                for cap in BUCKET_CAPS_MB
+            }
+
+
+def predict(
+    row: Mapping[str, Any],
+    model: TimeModel,
+    *,
+    bucket_cap_mb: float | None = None,
+) -> dict[str, Any]:
+    """``predicted_step_ms``, its parts, samples/s and MFU for one estimated (or run) row.
+
+    Args:
+        row: A row with ``comm_bytes_by_dim`` (or ``comm_bytes_per_step``),
+            ``comm_calls_per_step``, ``strategy``, ``knobs``, ``world_size``, ``batch_size``
+            (per rank per optimizer step), ``flops_per_sample``.
+        model: The time model.
+        bucket_cap_mb: DDP's bucket cap (default: the row's knob, else torch's 25).
+    """
+    world = int(row["world_size"])
+    strategy = row["strategy"]
+    knobs = dict(row.get("knobs") or {})
+    micro = micro_steps(knobs)
+    compute, optimizer, source = _compute_ms(row, model)
+    per_micro = max(0.0, compute - optimizer) / micro
+    share = FORWARD_SHARE
+    if knobs.get("activation_checkpointing"):  # the forward again, inside backward
+        share = FORWARD_SHARE / (1 + FORWARD_SHARE)
+    forward, backward = per_micro * share, per_micro * (1 - share)
+    groups = _groups(strategy, world, model.gpus_per_node)
+    by_dim = row.get("comm_bytes_by_dim") or {"world": dict(row.get("comm_bytes_per_step") or {})}
+    calls = dict(row.get("comm_calls_per_step") or {})
+    comm: dict[str, float] = {}
+    for dim, kinds in by_dim.items():
+        group = groups.get(dim, groups["world"])
+        for kind, nbytes in kinds.items():
+            link = model.links[group.scope].get(kind) or model.links[group.scope]["all_reduce"]
+            count = _calls(strategy, kind, dim, nbytes, calls, knobs, bucket_cap_mb)
+            seconds = collective_seconds(link, kind, nbytes, group.ranks)
+            if group.ranks > 1:
+                seconds += (count - 1) * float(link["latency_us"]) * 1e-6
+            comm[f"{kind}@{dim}"] = seconds * 1e3
+    if not model.overlap:
+        exposed = dict(comm)
+    elif strategy == "ddp":
+        exposed = _ddp_exposed(comm, row, knobs, backward, bucket_cap_mb)
+    else:
+        exposed = _fsdp_exposed(comm, calls, knobs, forward, backward, micro)
+    step = compute + sum(exposed.values())
+    samples = float(row["batch_size"])
+    flops = row.get("flops_per_sample")
+    mfu = None
+    if flops and model.peak_flops:
+        mfu = flops * samples / (step / 1e3) / model.peak_flops
+    return {
+        "predicted_step_ms": step,
+        "predicted_parts_ms": {
+            "compute": compute,
+            "optimizer": optimizer,
+            "compute_source": source,
+            "comm": comm,
+            "exposed_comm": exposed,
+        },
+        "predicted_samples_per_s": samples * world / (step / 1e3),
+        "predicted_mfu": mfu,
+    }
+
+
+def _calls(
+    strategy: str,
+    kind: str,
+    dim: str,
+    nbytes: float,
+    calls: Mapping[str, int],
+    knobs: Mapping[str, Any],
+    bucket_cap_mb: float | None,
+) -> int:
+    """How many collectives of ``kind`` the step issues on ``dim`` (a latency each)."""
+    if strategy == "ddp":
+        cap = bucket_cap_mb or knobs.get("bucket_cap_mb") or 25.0
+        rest = max(0.0, nbytes - DDP_FIRST_BUCKET_BYTES)
+        return 1 + math.ceil(rest / (cap * 2**20))
+    return max(1, int(calls.get(kind) or 1))
+
+
+def _ddp_exposed(
+    comm: Mapping[str, float],
+    row: Mapping[str, Any],
+    knobs: Mapping[str, Any],
+    backward: float,
+    bucket_cap_mb: float | None,
+) -> dict[str, float]:
+    """The last bucket after backward, the others behind it."""
+    total = sum(comm.values())
+    if total == 0:
+        return {}
+    nbytes = sum(dict(row.get("comm_bytes_per_step") or {}).values())
+    cap = (bucket_cap_mb or knobs.get("bucket_cap_mb") or 25.0) * 2**20
+    rest = max(0.0, nbytes - DDP_FIRST_BUCKET_BYTES)
+    last_bytes = (rest - cap * math.floor((rest - 1) / cap)) if rest > 0 else nbytes
+    last = total * last_bytes / nbytes if nbytes else 0.0
+    key = next(iter(comm))
+    return {key: last + max(0.0, total - last - backward)}
+
+
+def _fsdp_exposed(
+    comm: Mapping[str, float],
+    calls: Mapping[str, int],
+    knobs: Mapping[str, Any],
+    forward: float,
+    backward: float,
+    micro: int,
+) -> dict[str, float]:
+    """Unit by unit: gathers one unit ahead, reduce-scatters (and replica all-reduces) behind."""
+    gathers = sum(v for k, v in comm.items() if k.startswith("all_gather"))
+    scatters = sum(v for k, v in comm.items() if k.startswith("reduce_scatter"))
+    reduces = sum(v for k, v in comm.items() if k.startswith("all_reduce"))
+    if gathers + scatters + reduces == 0:
+        return {}
+    reshard = knobs.get("reshard_after_forward", True) is not False
+    gather_calls = max(1, int(calls.get("all_gather") or 1)) // micro
+    units = max(1, gather_calls // 2 if reshard else gather_calls)
+    per_micro_gather = gathers / micro
+    fwd_gather = per_micro_gather / 2 if reshard else per_micro_gather
+    bwd_gather = per_micro_gather - fwd_gather
+    unit_fwd, unit_bwd = forward / units, backward / units
+    g_f, g_b = fwd_gather / units, bwd_gather / units
+    r_s, a_r = scatters / units, reduces / units  # the last micro-step only
+    exposed_fwd = g_f + (units - 1) * max(0.0, g_f - unit_fwd)
+    last = (units - 1) * max(0.0, g_b + r_s + a_r - unit_bwd) + r_s + a_r
+    early = (units - 1) * max(0.0, g_b - unit_bwd)  # micro-steps without reduction
+    out = {
+        "all_gather_forward": micro * exposed_fwd,
+        "backward": last + (micro - 1) * early,
+    }
+    return {key: value for key, value in out.items() if value > 0}
+
+
+def _compute_ms(row: Mapping[str, Any], model: TimeModel) -> tuple[float, float, str]:
+    """The step's compute and its optimizer part (ms), and where they came from."""
+    strategy = row["strategy"]
+    world = int(row["world_size"])
+    shard = 1
+    if strategy == "fsdp":
+        shard = world
+    elif strategy == "hsdp":
+        shard = min(world, model.gpus_per_node)
+    calibrated = model.points.get(point_key(row))
+    if calibrated is not None:
+        optimizer = calibrated["optimizer_ms"] / shard
+        compute = calibrated["step_ms"] - calibrated["optimizer_ms"] + optimizer
+        return compute, optimizer, "calibration: this point at world size 1"
+    knobs = dict(row.get("knobs") or {})
+    checkpointed = bool(knobs.get("activation_checkpointing"))
+    samples = float(row["batch_size"])
+    for ckpt in (checkpointed, False):
+        found = model.models.get((row["model"], row.get("dtype"), ckpt))
+        if found is not None:
+            optimizer = found["optimizer_ms"] / shard
+            work = found["ms_per_sample"] * samples
+            if checkpointed and not ckpt:
+                work *= 1 + FORWARD_SHARE  # the forward again
+            return work + optimizer, optimizer, "calibration: this model's compute_ms"
+    flops = row.get("flops_per_sample")
+    if not flops or not model.flops_rate:
+        return 0.0, 0.0, "unknown: no FLOPs or rate"
+    rate = model.flops_rate
+    if model.bf16_rate and knobs.get("param_dtype") == "bf16":
+        rate = model.bf16_rate
+    work = flops * samples / rate * 1e3
+    if checkpointed:
+        work *= 1 + FORWARD_SHARE
+    return work, 0.0, "FLOPs at " + ("the calibration's rate" if model.points else "peak x MFU")
