@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,7 @@ def accumulated_rows(
     *,
     jobs: int,
     progress: Callable[[int, int, dict[str, Any]], None] | None = None,
+    pool: Executor | None = None,
 ) -> list[dict[str, Any]]:
     """Each point that does not fit, again with gradient accumulation at the same global batch.
 
@@ -100,6 +102,6 @@ def accumulated_rows(
     out: list[dict[str, Any]] = []
     for steps, points in accumulation_points(rows, options.batch_size, names).items():
         micro = dataclasses.replace(options, batch_size=options.batch_size // steps)
-        for row in run_estimate(specs, points, micro, jobs=jobs, progress=progress):
+        for row in run_estimate(specs, points, micro, jobs=jobs, progress=progress, pool=pool):
             out.append({**row, **annotate_fits(row, device)} if row["status"] == OK else row)
     return out

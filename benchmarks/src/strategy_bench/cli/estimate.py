@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 from strategy_bench._errors import BenchUsageError
 from strategy_bench.cli._args import (
@@ -38,6 +42,7 @@ from strategy_bench.estimate import (
     recommendations,
     run_estimate,
     scale_start,
+    spawn_pool,
     step_errors,
 )
 from strategy_bench.estimate import SCHEMA as ESTIMATE_SCHEMA
@@ -210,25 +215,35 @@ def command(args: argparse.Namespace) -> int:
             row["seconds"],
         )
 
-    rows = run_estimate(specs, points, options, jobs=jobs, progress=progress)
-    if device is not None:
-        rows = [
-            {**row, **annotate_fits(row, device)} if row["status"] == OK else row for row in rows
-        ]
-    base = list(rows)  # what --largest seeds from: the points as asked
-    if device is not None and timing is not None:  # what accumulation makes fit
-        rows += accumulated_rows(specs, rows, options, device, jobs=jobs, progress=progress)
-    workloads = [spec.build() for spec in specs]
-    flops = {w.name: fake_flops_per_sample(w, args.batch_size, args.dtype) for w in workloads}
-    for row in rows:
-        row["flops_per_sample"] = flops.get(row["model"])
-    chosen: list[dict[str, Any]] = []
-    if timing is not None:
-        annotate_time(rows, timing)
-    largest: list[dict[str, Any]] = []
-    if args.largest:
-        assert device is not None and scale_param is not None
-        largest = _find_largest(args, specs, base, scale_param, worlds, options, device, jobs)
+    # One pool of spawned workers for every phase (each worker imports torch once); closed
+    # before peak_rss_bytes reads the finished workers' peaks.
+    stack = contextlib.ExitStack()
+    pool = stack.enter_context(spawn_pool(jobs)) if jobs > 1 or dist.is_initialized() else None
+    with stack:
+        rows = run_estimate(specs, points, options, jobs=jobs, progress=progress, pool=pool)
+        if device is not None:
+            rows = [
+                {**row, **annotate_fits(row, device)} if row["status"] == OK else row
+                for row in rows
+            ]
+        base = list(rows)  # what --largest seeds from: the points as asked
+        if device is not None and timing is not None:  # what accumulation makes fit
+            rows += accumulated_rows(
+                specs, rows, options, device, jobs=jobs, progress=progress, pool=pool
+            )
+        workloads = [spec.build() for spec in specs]
+        flops = {w.name: fake_flops_per_sample(w, args.batch_size, args.dtype) for w in workloads}
+        for row in rows:
+            row["flops_per_sample"] = flops.get(row["model"])
+        chosen: list[dict[str, Any]] = []
+        if timing is not None:
+            annotate_time(rows, timing)
+        largest: list[dict[str, Any]] = []
+        if args.largest:
+            assert device is not None and scale_param is not None
+            largest = _find_largest(
+                args, specs, base, scale_param, worlds, options, device, jobs, pool
+            )
     env = estimate_environment(options, jobs)
     env["seconds"] = time.monotonic() - begin
     env["peak_rss_bytes"] = peak_rss_bytes(jobs)
@@ -313,6 +328,7 @@ def _find_largest(
     options: EstimateOptions,
     device: DeviceMemory,
     jobs: int,
+    pool: Executor | None = None,
 ) -> list[dict[str, Any]]:
     """``--largest``: every family's largest model per strategy and world size."""
     sys.stderr.write(
@@ -345,5 +361,6 @@ def _find_largest(
             known=[row for row in rows if row["model"] == name],
             jobs=jobs,
             progress=progress,
+            pool=pool,
         )
     return entries

@@ -9,6 +9,7 @@ from strategy_bench.estimate._estimate import (
     estimate_environment,
     peak_rss_bytes,
     run_estimate,
+    spawn_pool,
 )
 from strategy_bench.estimate._fits import (
     DATASHEET_MEMORY_GIB,
@@ -66,5 +67,6 @@ __all__ = [
     "recommendations",
     "run_estimate",
     "scale_start",
+    "spawn_pool",
     "step_errors",
 ]

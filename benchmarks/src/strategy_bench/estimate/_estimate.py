@@ -10,13 +10,14 @@ the bytes each collective moves. Nothing of the full model is ever allocated.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor
 from multiprocessing import get_context
 from typing import Any
 
@@ -58,9 +59,11 @@ _CPU = torch.device("cpu")
 
 
 def estimate_point(
-    spec: WorkloadSpec, point: EstimatePoint, options: EstimateOptions
+    spec: WorkloadSpec, point: EstimatePoint, options: EstimateOptions, *, comm: bool = True
 ) -> dict[str, Any]:
     """One rank's memory and communication for ``point``, in this process.
+
+    ``comm=False`` leaves the collectives uncounted (``--largest``'s probes read the peak).
 
     Returns:
         The row: ``model``, ``strategy``, ``knobs``, ``world_size``, ``status``, the
@@ -81,7 +84,7 @@ def estimate_point(
         "dtype": options.dtype,
     }
     try:
-        row = _step(workload, point, options)
+        row = _step(workload, point, options, comm=comm)
     except BenchUsageError:
         raise
     except Exception as error:  # whatever the model raised on fake tensors: that is the row
@@ -91,7 +94,9 @@ def estimate_point(
     return {**head, "status": OK, **row, "seconds": time.monotonic() - begin}
 
 
-def _step(workload: Workload, point: EstimatePoint, options: EstimateOptions) -> dict[str, Any]:
+def _step(
+    workload: Workload, point: EstimatePoint, options: EstimateOptions, *, comm: bool = True
+) -> dict[str, Any]:
     """Wrap and step the model as one rank of ``point.world_size`` ranks; read what it held."""
     with fake_process_group(point.world_size):
         model = workload.meta_model()
@@ -124,6 +129,7 @@ def _step(workload: Workload, point: EstimatePoint, options: EstimateOptions) ->
                 compute,
                 optimizer_step=twins.step,
                 stand_ins=twins.stand_ins,
+                count_comm=comm,
             )
     if point.strategy == "ddp":
         out.update(_ddp_communication(model))
@@ -216,6 +222,7 @@ def run_estimate(
     *,
     jobs: int = 1,
     progress: Callable[[int, int, dict[str, Any]], None] | None = None,
+    pool: Executor | None = None,
 ) -> list[dict[str, Any]]:
     """Estimate every point, ``jobs`` at a time, in order.
 
@@ -224,21 +231,23 @@ def run_estimate(
     repeated for the other world sizes. FSDP points are stepped at each world size.
     ``jobs > 1`` spreads them over spawned processes (each has its own fake group); so
     does a process that already has a process group of its own, which is left alone.
+    ``pool``: spawned workers to use (and leave open) instead of a pool of its own.
     """
     unique: dict[tuple[Any, ...], EstimatePoint] = {}
     for point in points:
         unique.setdefault(_step_key(point), point)
     todo = list(unique.values())
     done: dict[tuple[Any, ...], dict[str, Any]] = {}
-    if (jobs <= 1 or len(todo) <= 1) and not dist.is_initialized():
+    if pool is None and (jobs <= 1 or len(todo) <= 1) and not dist.is_initialized():
         for count, point in enumerate(todo, 1):
             done[_step_key(point)] = row = estimate_point(specs[point.workload], point, options)
             if progress is not None:
                 progress(count, len(todo), row)
     else:
-        context = get_context("spawn")
-        workers = max(1, min(jobs, len(todo)))
-        with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        with contextlib.ExitStack() as stack:
+            if pool is None:
+                workers = max(1, min(jobs, len(todo)))
+                pool = stack.enter_context(spawn_pool(workers))
             futures = {
                 pool.submit(estimate_point, specs[point.workload], point, options): point
                 for point in todo
@@ -256,6 +265,11 @@ def run_estimate(
             row.pop("comm_groups", None)  # every rank's number, at 512 ranks: not kept
         rows.append(row)
     return rows
+
+
+def spawn_pool(workers: int) -> ProcessPoolExecutor:
+    """``workers`` spawned processes (each sets up its own fake process group per step)."""
+    return ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
 
 
 def _by_scope(row: Mapping[str, Any], world: int, gpus_per_node: int) -> dict[str, int]:

@@ -11,18 +11,18 @@ the value fits and the next one does not.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
+from concurrent.futures import Executor
 from typing import Any
 
 import torch.distributed as dist
 
 from strategy_bench._errors import BenchUsageError
-from strategy_bench.estimate._estimate import estimate_point
+from strategy_bench.estimate._estimate import estimate_point, spawn_pool
 from strategy_bench.estimate._fits import DeviceMemory
 from strategy_bench.estimate._points import EstimateOptions, EstimatePoint, spans_nodes
 from strategy_bench.results import OK
@@ -96,6 +96,7 @@ def largest_lines(
     known: Sequence[Mapping[str, Any]] = (),
     jobs: int = 1,
     progress: Callable[[dict[str, Any]], None] | None = None,
+    pool: Executor | None = None,
 ) -> list[dict[str, Any]]:
     """Per strategy (and knobs) and world size, the largest value of ``param`` that fits.
 
@@ -104,7 +105,7 @@ def largest_lines(
     unscaled workload, same options) stand for the probes at the starting value.
     ``jobs > 1`` searches that many lines at once, each in a spawned process with its own fake
     process group; so does a process that already has a process group of its own (left
-    alone), as in :func:`run_estimate`.
+    alone), as in :func:`run_estimate`; ``pool``: its workers instead of a pool of its own.
 
     Returns:
         One entry per line and world size: ``model``, ``strategy``, ``knobs``,
@@ -136,15 +137,28 @@ def largest_lines(
         return (spec, param, start, point, options, device, seed)
 
     lines = list(searched.items())
-    if (jobs <= 1 or len(lines) <= 1) and not dist.is_initialized():
+    if pool is None and (jobs <= 1 or len(lines) <= 1) and not dist.is_initialized():
         for line, point in lines:
             found[line] = _search(*task(point))
             if progress is not None:
                 progress(found[line])
     else:
-        context = get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(jobs, len(lines)), mp_context=context) as pool:
-            futures = {line: pool.submit(_search, *task(point)) for line, point in lines}
+        with contextlib.ExitStack() as stack:
+            if pool is None:
+                pool = stack.enter_context(spawn_pool(min(jobs, len(lines))))
+
+            # The longest searches first: the least memory at the start value, the deepest
+            # answer (lines without a seed row before them); results are read in order.
+            def expected_cost(item: tuple[tuple[Any, ...], EstimatePoint]) -> int:
+                seed = task(item[1])[-1]
+                ok = seed is not None and seed.get("status") == OK
+                return int(seed["peak_bytes"]) if ok else 0
+
+            futures = {
+                line: pool.submit(_search, *task(point))
+                for line, point in sorted(lines, key=expected_cost)
+            }
+            futures = {line: futures[line] for line, _ in lines}
             for line, future in futures.items():
                 found[line] = future.result()
                 if progress is not None:
@@ -180,7 +194,7 @@ def _search(
     def probe(value: int) -> int:
         if value not in rows:
             scaled = dataclasses.replace(spec, scale=(param, value))
-            row = estimate_point(scaled, point, options)
+            row = estimate_point(scaled, point, options, comm=False)
             if row["status"] != OK:
                 raise BenchUsageError(
                     f"--largest: the {point.strategy} estimate at {param}={value} failed: "
@@ -200,9 +214,14 @@ def _search(
             fits = 1
         else:
             fails = 1
-    while fails is None and fits < MAX_SCALE:  # grow by the secant's guess, at least double
+    first = True
+    while fails is None and fits < MAX_SCALE:  # grow by the secant's guess
+        if len(rows) < 2 and fits > 1:  # a cheap smaller probe gives the secant its slope
+            probe(max(1, fits // 2))
         guess = _secant(rows, usable, fits)
-        value = min(MAX_SCALE, max(2 * fits, guess + 1))
+        # Trust the first guess (its neighbour above should not fit); after a miss, at least double.
+        value = min(MAX_SCALE, max(fits + 1 if first else 2 * fits, guess + 1))
+        first = False
         if probe(value) <= usable:
             fits = value
         else:

@@ -210,7 +210,7 @@ def calibrated_model(
             rates.append((flops * row["batch_size"], flops / (per_sample / 1e3)))
     threads, peak = first_env.get("cpu_threads"), first_env.get("peak_flops")
     overlap = first_env.get("device") != "cpu"
-    if probe is None or "intra_node" not in probe:
+    if probe is None or not probe.get("intra_node"):
         raise BenchUsageError(
             "--calibrate: no communication probe (env.comm_probe) in these results; add a run "
             "on two ranks or more (`strategy-bench run --world-size 2`, its probe is timed first)"
@@ -221,13 +221,13 @@ def calibrated_model(
         "there, else the largest calibrated model's FLOP/s",
         "cpu_threads": threads,
         "intra_node": f"calibration: comm_probe of {probe_from or 'the run'} "
-        f"({probe['intra_node'][PROBE_KINDS[0]]['ranks']} ranks, sizes "
+        f"({next(iter(probe['intra_node'].values()))['ranks']} ranks, sizes "
         f"{' '.join(f'{mib:g}' for mib in probe.get('sizes_mib', []))} MiB)",
     }
     if inter_node_gbps is not None:
         links["inter_node"] = _uniform(DEFAULT_LATENCY_US["inter_node"], inter_node_gbps / 8)
         sources["inter_node"] = _inter_source(inter_node_gbps)
-    elif "inter_node" in probe:
+    elif probe.get("inter_node"):
         links["inter_node"] = _links(probe["inter_node"])
         sources["inter_node"] = "calibration: comm_probe across nodes"
     else:

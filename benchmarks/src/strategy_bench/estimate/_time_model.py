@@ -114,7 +114,8 @@ def predict(
     for dim, kinds in by_dim.items():
         group = groups.get(dim, groups["world"])
         for kind, nbytes in kinds.items():
-            link = model.links[group.scope].get(kind) or model.links[group.scope]["all_reduce"]
+            fitted = model.links[group.scope]  # a collective the probe could not fit: another's
+            link = fitted.get(kind) or fitted.get("all_reduce") or next(iter(fitted.values()))
             count = _calls(strategy, kind, dim, nbytes, calls, knobs, bucket_cap_mb)
             seconds = collective_seconds(link, kind, nbytes, group.ranks)
             if group.ranks > 1:

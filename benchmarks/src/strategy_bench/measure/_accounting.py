@@ -235,6 +235,7 @@ def account(
     *,
     optimizer_step: Callable[[], Any] | None = None,
     stand_ins: Iterable[torch.Tensor] = (),
+    count_comm: bool = True,
 ) -> dict[str, Any]:
     """One more (untimed) optimizer step: memory and communication.
 
@@ -255,6 +256,8 @@ def account(
         stand_ins: Tensors that stand in for the model's while the optimizer steps (the
             estimate's: its optimizer holds meta twins of the fake parameters): known to the
             tracker, not counted.
+        count_comm: ``False``: no :class:`CommBytes` mode (the ``comm_*`` entries are empty);
+            the memory figures are the same (a peak-only probe: ``estimate --largest``).
 
     Returns:
         ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``ddp_bucket_bytes``,
@@ -284,7 +287,8 @@ def account(
     def phase(name: str) -> None:
         tracker.phase = name
 
-    with CommBytes() as comm, tracker:
+    comm = CommBytes()
+    with comm if count_comm else contextlib.nullcontext(), tracker:
         accumulate(model, loss_fn, batches, autocast, saved, phase)
         phase("optimizer")
         (optimizer_step or optimizer.step)()

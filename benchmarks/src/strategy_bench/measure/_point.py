@@ -290,15 +290,33 @@ def _compute_only(point: _Point, model: nn.Module) -> dict[str, float | None]:
     fits = device.type != "cuda" or 6 * size < torch.cuda.mem_get_info(device)[0]
     if fits and not needs_compiler(point.knobs):
         try:
-            times = _time_unwrapped(point, copy.deepcopy(model).to(device))
+            times = _time_unwrapped(point, _copy_to(model, device))
         except torch.OutOfMemoryError:
             logger.info("compute_ms: the unwrapped model does not fit this rank's device")
+        except Exception:  # whatever it is, every rank must still reach the agreement below
+            logger.warning("compute_ms: the unwrapped step failed", exc_info=True)
         gc.collect()  # the copy, its gradients and optimizer state
         if device.type == "cuda":
             torch.cuda.empty_cache()
     every: list[bool] = [False] * dist.get_world_size()
     dist.all_gather_object(every, times["compute_ms"] is not None)
     return times if all(every) else {"compute_ms": None, "optimizer_ms": None}
+
+
+def _copy_to(model: nn.Module, device: torch.device) -> nn.Module:
+    """A deep copy of ``model`` whose tensors are made on ``device`` directly.
+
+    A sharded point's model is the whole host copy: a deep copy then ``.to`` would hold the
+    model twice on the host, per rank. Tied tensors stay tied (one memo entry each).
+    """
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.device != device and id(tensor) not in memo:
+            moved = tensor.detach().to(device)
+            if isinstance(tensor, nn.Parameter):
+                moved = nn.Parameter(moved, requires_grad=tensor.requires_grad)
+            memo[id(tensor)] = moved
+    return copy.deepcopy(model, memo)
 
 
 def _time_unwrapped(point: _Point, replica: nn.Module) -> dict[str, float | None]:

@@ -133,7 +133,7 @@ def probe_links(
     out: dict[str, Any] = {"sizes_mib": kept}
     if local >= world or world % local != 0:
         out["intra_node"] = _probe_group(device, sizes, None, world)
-        return out
+        return {key: value for key, value in out.items() if value is not None}
     nodes = world // local
     intra, groups = dist.new_subgroups(local)  # type: ignore[no-untyped-call]
     inter, more = dist.new_subgroups_by_enumeration(  # type: ignore[no-untyped-call]
@@ -159,7 +159,11 @@ def _fits(device: torch.device, mib: float) -> bool:
 def _probe_group(
     device: torch.device, sizes: Sequence[int], group: dist.ProcessGroup | None, ranks: int
 ) -> dict[str, Any] | None:
-    """Each collective at each size on ``group``; the slowest rank's median per size, fitted."""
+    """Each collective at each size on ``group``; the slowest rank's median per size, fitted.
+
+    Every rank runs the same calls on its own group (each node's, or each cross-node one) at
+    the same time, lined up by a world barrier: the link as a step uses it, all at once.
+    """
     if ranks < 2 or len(sizes) < 2:
         return None
     times: dict[str, list[tuple[int, float]]] = {kind: [] for kind in PROBE_KINDS}
@@ -168,9 +172,8 @@ def _probe_group(
             times[kind].append(seconds)
     gathered: list[dict[str, list[tuple[int, float]]]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, times)  # every rank, so that every rank fits the same
-    if group is not None:
-        members = dist.get_process_group_ranks(group)
-        gathered = [gathered[rank] for rank in members]
+    # The slowest of every group (every node's, for the link inside a node): one figure,
+    # the same on every rank.
     fits: dict[str, Any] = {}
     for kind in PROBE_KINDS:
         slowest = [
@@ -201,7 +204,7 @@ def _time_size(
         call()  # untimed: the first call of a size sets up its buffers
         spent = []
         for _ in range(_REPEATS):
-            dist.barrier(group=group)
+            dist.barrier()  # every group's call at once: they share the host and the network
             _sync(device)
             begin = time.perf_counter()
             call()

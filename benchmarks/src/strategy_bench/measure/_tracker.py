@@ -24,6 +24,9 @@ from torch.utils._pytree import tree_leaves
 
 from strategy_bench._compat import storage_key
 
+_NBYTES = torch.UntypedStorage.nbytes
+
+
 PHASES = ("forward", "backward", "optimizer")
 """The phases of a tracked step, in order."""
 
@@ -112,7 +115,7 @@ class LiveTensors(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self._allocated -= size
 
     def _sample(self) -> None:
-        gathered = sum(storage.nbytes() for storage in self._resizable)
+        gathered = sum(map(_NBYTES, self._resizable))  # once per op: the fast spelling
         live = self._held + gathered + self._allocated
         if live > self.peak:
             self.peak, self.peak_phase = live, self.phase
