@@ -173,11 +173,15 @@ step bench bash -c '"$0" -m strategy_bench run --device "$1" --models $2 --dtype
 
 # The estimate's per-rank peak against the bench's tracked peak (on CUDA the allocator's
 # max_memory_allocated over one more step): --compare exits 1 beyond the tolerance (peak 10%).
-# shellcheck disable=SC2086  # $models is a list of names
+# On CUDA, --gpu also predicts each step from the datasheet (peak x --assumed-mfu): at one
+# rank the compute part alone, against the bench's 1-GPU steps (the step error column).
+gpu_args=""
+if [ "$device" = cuda ]; then gpu_args="--gpu ${GPU:-H200}"; fi
+# shellcheck disable=SC2086  # $models and $4 are lists of words
 step estimate_agreement bash -c '"$0" -m strategy_bench estimate --models $1 --dtype "$2" \
   --strategies ddp fsdp --world-size 1 2 --jobs 2 --compare "$3/bench/results.json" \
-  --out "$3/estimate" --overwrite' \
-  "$py" "$models" "$dtype" "$work"
+  --out "$3/estimate" --overwrite $4' \
+  "$py" "$models" "$dtype" "$work" "$gpu_args"
 
 # The step knobs on the device: activation checkpointing and gradient accumulation, on the
 # smallest preset. compile is left out: inductor's build of one point alone outlasts the

@@ -8,7 +8,7 @@ estimator). Should they move, only this module changes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -30,34 +30,22 @@ __all__ = [
 ]
 
 
-def all_gather_single(
-    output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None
-) -> None:
-    """An all-gather into ``output``, by the name this torch has.
+def _renamed(name: str, before: str) -> Callable[..., object]:
+    """``torch.distributed``'s function ``name``, or ``before`` on a torch that lacks it.
 
-    torch 2.13 deprecates ``all_gather_into_tensor`` for ``all_gather_single``; a torch
-    without the latter (2.11, the lent GPU machines') has only the former.
+    torch 2.13 deprecates ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` for
+    ``all_gather_single`` and ``reduce_scatter_single`` (same arguments: output, input);
+    torch 2.11, the lent GPU machines', has only the former.
     """
-    single = getattr(dist, "all_gather_single", None)
-    if single is not None:
-        single(output, tensor, group=group)
-    else:  # pragma: no cover - torch < 2.13
-        dist.all_gather_into_tensor(output, tensor, group=group)
+    found: Callable[..., object] = getattr(dist, name, None) or getattr(dist, before)
+    return found
 
 
-def reduce_scatter_single(
-    output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup | None = None
-) -> None:
-    """A reduce-scatter into ``output``, by the name this torch has.
+all_gather_single = _renamed("all_gather_single", "all_gather_into_tensor")
+"""An all-gather into one output tensor: ``(output, input, group=...)``."""
 
-    torch 2.13 deprecates ``reduce_scatter_tensor`` for ``reduce_scatter_single``; a torch
-    without the latter (2.11, the lent GPU machines') has only the former.
-    """
-    single = getattr(dist, "reduce_scatter_single", None)
-    if single is not None:
-        single(output, tensor, group=group)
-    else:  # pragma: no cover - torch < 2.13
-        dist.reduce_scatter_tensor(output, tensor, group=group)
+reduce_scatter_single = _renamed("reduce_scatter_single", "reduce_scatter_tensor")
+"""A reduce-scatter into one output tensor: ``(output, input, group=...)``."""
 
 
 @contextmanager
