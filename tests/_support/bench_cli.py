@@ -27,12 +27,12 @@ QUICK = [
     "--batch-size",
     "2",
     "--probe-mib",
-    "1",
-    "2",
+    "0.0625",
+    "8",
     "--ckpt-samples",
     "1",
 ]
-"""Short runs. A probe of two small sizes; one checkpoint-cost sample per point (the smoke run
+"""Short runs. A probe of two sizes far enough apart for a fit (64 KiB and 8 MiB); one checkpoint-cost sample per point (the smoke run
 measures the default's three, alternating). ``--ckpt-samples`` comes last."""
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -48,14 +49,17 @@ def _links(latency_us: float = 0.0) -> dict[str, dict[str, float]]:
     return {kind: {"latency_us": latency_us, "busbw_gbps": BUSBW / 1e9} for kind in PROBE_KINDS}
 
 
-def _model(latency_us: float = 0.0, gpus_per_node: int = 8) -> TimeModel:
-    """Known links (no latency unless asked), 10 ms of compute per sample from the FLOPs."""
+def _model(
+    latency_us: float = 0.0, gpus_per_node: int = 8, flops_rate: float | None = None
+) -> TimeModel:
+    """Known links (no latency unless asked); compute from the FLOPs at ``flops_rate``
+    (``None``: the rows' FLOPs are set so high that compute is negligible)."""
     links = _links(latency_us)
     return TimeModel(
         links={"intra_node": links, "inter_node": links},
         points={},
         models={},
-        flops_rate=None,
+        flops_rate=flops_rate or 1e30,
         peak_flops=None,
         gpus_per_node=gpus_per_node,
         sources={},
@@ -314,3 +318,50 @@ def test_a_point_that_fits_only_with_accumulation_is_recommended_with_it(tmp_pat
     (chosen,) = payload["recommendation"]
     assert chosen["strategy"] == "ddp" and "grad_accum" in chosen["knobs"]
     assert accumulated[chosen["knobs"]["grad_accum"]]["fits"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_what_the_step_waits_for_follows_the_overlap_model(
+    fake_rows: dict[tuple[str, int, str], dict[str, Any]], strategy: str
+) -> None:
+    """No compute to hide behind: every byte waited for. Compute that dwarfs the links: only
+    what nothing can hide (DDP's last bucket; FSDP's first gather and last reduce-scatter).
+    No overlap (a CPU host): all of it, whatever the compute."""
+    row = {**fake_rows[(strategy, 8, "plain")], "flops_per_sample": 1e12}
+    bare = predict(row, _model(flops_rate=1e30))["predicted_parts_ms"]
+    comm = sum(bare["comm"].values())
+    assert bare["compute"] < 1e-9 and sum(bare["exposed_comm"].values()) == pytest.approx(comm)
+    assert set(bare["exposed_comm"]) == set(bare["comm"])  # by collective and mesh dimension
+    slow = predict(row, _model(flops_rate=1e9))  # seconds of compute per step
+    parts = slow["predicted_parts_ms"]
+    exposed = sum(parts["exposed_comm"].values())
+    nbytes = sum(row["comm_bytes_per_step"].values())
+    if strategy == "ddp":  # the last bucket: all but DDP's first 1 MiB (25 MiB cap)
+        last = (nbytes - 2**20) * 2 * 7 / 8 / BUSBW * 1e3
+        assert exposed == pytest.approx(last, rel=1e-9)
+    else:  # the first gathers of forward and backward, and the last unit's reduce-scatter
+        gathers, scatters = (parts["comm"][f"{kind}@shard"] for kind in PROBE_KINDS[1:])
+        units = row["comm_calls_per_step"]["reduce_scatter"]  # every unit trains here
+        assert row["comm_calls_per_step"]["all_gather"] == 2 * units  # the root resharded too
+        first_gathers = 2 * gathers / (2 * units)
+        assert exposed == pytest.approx(first_gathers + scatters / units, rel=1e-9)
+    assert 0 < exposed < comm
+    assert slow["predicted_step_ms"] == pytest.approx(parts["compute"] + exposed)
+    flat = dataclasses.replace(_model(flops_rate=1e9), overlap=False)
+    assert predict(row, flat)["predicted_step_ms"] == pytest.approx(parts["compute"] + comm)
+
+
+def test_nothing_to_predict_from_is_no_prediction_and_mfu_stays_below_one(
+    fake_rows: dict[tuple[str, int, str], dict[str, Any]],
+) -> None:
+    row = {**fake_rows[("ddp", 8, "plain")], "flops_per_sample": None}
+    predicted = predict(row, _model())
+    assert predicted["predicted_step_ms"] is None and predicted["predicted_mfu"] is None
+    # bf16 parameters compute at the bf16 rate: their MFU is a share of the bf16 peak.
+    fsdp = {**fake_rows[("fsdp", 8, "plain")], "knobs": {"param_dtype": "bf16"}}
+    fsdp["flops_per_sample"] = 1e12
+    model = dataclasses.replace(
+        _model(), flops_rate=0.4e12, peak_flops=1e12, bf16_rate=4e12, bf16_peak=10e12
+    )
+    mfu = predict(fsdp, model)["predicted_mfu"]
+    assert 0 < mfu <= 0.4 + 1e-9

@@ -90,7 +90,13 @@ def recommendations(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             (choice for row in fitting for choice in candidates(row)),
             key=lambda choice: -choice["predicted_samples_per_s"],
         )
-        entry: dict[str, Any] = {"model": model, "world_size": world, "candidates": len(choices)}
+        entry: dict[str, Any] = {
+            "model": model,
+            "world_size": world,
+            "batch_size": mine[0].get("batch_size"),
+            "dtype": mine[0].get("dtype"),
+            "candidates": len(choices),
+        }
         if not choices:
             out.append({**entry, "strategy": None, "knobs": {}, "predicted_step_ms": None})
             continue

@@ -8,11 +8,14 @@ peak times ``--assumed-mfu`` and per-GPU link bandwidths. :mod:`._time_model` pr
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from strategy_bench._errors import BenchUsageError
 from strategy_bench.measure import PROBE_KINDS, datasheet_peak
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_ASSUMED_MFU = 0.4
 """The share of the datasheet peak a step computes at when nothing was measured: 35-45% is
@@ -35,6 +38,18 @@ DATASHEET_NVLINK_GBS: dict[str, float] = {
 """Per-GPU bandwidth inside a node, GB/s each way: NVLink 5 (1.8 TB/s both ways), NVLink 4
 (900 GB/s), NVLink 3 (600 GB/s); PCIe 4.0 x16 for the cards without NVLink."""
 
+DATASHEET_HBM_GBS: dict[str, float] = {
+    "B200": 8000.0,
+    "H200": 4800.0,
+    "H100": 3350.0,
+    "A100-80GB": 2039.0,
+    "A100-40GB": 1555.0,
+    "L40S": 864.0,
+    "A10G": 600.0,
+    "L4": 300.0,
+}
+"""Memory bandwidth per GPU, GB/s (datasheets): what the optimizer step streams at."""
+
 DEFAULT_LATENCY_US = {"intra_node": 10.0, "inter_node": 20.0}
 """Per-collective latency assumed without a probe (small-message NCCL on NVLink and IB)."""
 
@@ -47,12 +62,16 @@ class TimeModel:
         links: ``{"intra_node" | "inter_node": {collective: {"latency_us", "busbw_gbps"}}}``.
         points: Calibrated world-size-1 rows by :func:`point_key` (``step_ms_median``,
             ``optimizer_ms``).
-        models: Calibrated unwrapped steps by ``(model, batch_size, dtype, checkpointed)``:
-            ``compute_ms``, ``optimizer_ms``.
+        models: Calibrated unwrapped steps by ``(model, dtype, param_dtype, checkpointed)``:
+            ``ms_per_sample`` (without the optimizer) and ``optimizer_ms``.
         flops_rate: FLOP/s per rank for models not calibrated (``None``: unknown).
         peak_flops: The MFU denominator per rank (``None``: no peak known).
         overlap: Whether communication runs behind compute (GPUs: copy engines and NCCL's
             own SMs); ``False`` exposes all of it (a CPU host: gloo on the compute's cores).
+        bf16_peak: The peak that ``bf16_rate`` is a share of (its MFU's denominator).
+        optimizer_bytes_per_s: The memory bandwidth AdamW's step streams at, where no
+            calibration measured it (``None``: the optimizer is not counted).
+        calibrated: Whether it comes from a run (``--calibrate``) rather than datasheets.
         bf16_rate: FLOP/s of a point that computes in bf16 under an fp32 run (FSDP's
             ``param_dtype``), from the datasheet's bf16 peak (``None``: as ``flops_rate``).
         gpus_per_node: Ranks per node.
@@ -68,6 +87,9 @@ class TimeModel:
     sources: dict[str, Any]
     bf16_rate: float | None = None
     overlap: bool = True
+    bf16_peak: float | None = None
+    optimizer_bytes_per_s: float | None = None
+    calibrated: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """``env.time_model``: the links and rates used, and every source."""
@@ -112,12 +134,16 @@ def datasheet_model(
     _check_mfu(assumed_mfu)
     found = datasheet_peak(gpu, dtype)
     if found is None:
-        raise BenchUsageError(
-            f"--gpu {gpu!r}: no datasheet peak for --dtype {dtype}; give --calibrate RESULTS.json "
-            "from a run on that GPU"
+        logger.warning(
+            "--gpu %s: no datasheet peak for --dtype %s, so no step time; give --calibrate "
+            "RESULTS.json from a run on that GPU, or --dtype bf16",
+            gpu,
+            dtype,
         )
+        return None
     peak, peak_source = found
     bf16 = datasheet_peak(gpu, "bf16")
+    memory = DATASHEET_HBM_GBS[gpu] * 1e9
     intra = DATASHEET_NVLINK_GBS[gpu]
     inter = DEFAULT_INTER_NODE_GBPS if inter_node_gbps is None else inter_node_gbps
     return TimeModel(
@@ -130,9 +156,13 @@ def datasheet_model(
         flops_rate=peak * assumed_mfu,
         peak_flops=peak,
         bf16_rate=None if bf16 is None else bf16[0] * assumed_mfu,
+        bf16_peak=None if bf16 is None else bf16[0],
+        optimizer_bytes_per_s=memory,
         gpus_per_node=gpus_per_node,
         sources={
-            "compute": f"{peak_source} x --assumed-mfu {assumed_mfu:g}; optimizer not counted",
+            "compute": f"{peak_source} x --assumed-mfu {assumed_mfu:g}",
+            "optimizer": f"AdamW's 28 bytes per parameter (over the shard) at {gpu}'s "
+            f"{DATASHEET_HBM_GBS[gpu]:g} GB/s of memory bandwidth (datasheet)",
             "intra_node": f"datasheet: {gpu} {intra:g} GB/s per GPU each way, "
             f"{DEFAULT_LATENCY_US['intra_node']:g} us per collective (assumed)",
             "inter_node": _inter_source(inter_node_gbps),
@@ -203,7 +233,8 @@ def calibrated_model(
             points.setdefault(point_key(row), step)
         checkpointed = bool(row["knobs"].get("activation_checkpointing"))
         per_sample = (float(row["compute_ms"]) - optimizer) / row["batch_size"]
-        key = (row["model"], row.get("dtype"), checkpointed)
+        param_dtype = row["knobs"].get("param_dtype") or "fp32"
+        key = (row["model"], row.get("dtype"), param_dtype, checkpointed)
         models.setdefault(key, {"ms_per_sample": per_sample, "optimizer_ms": optimizer})
         if row.get("flops_per_sample") and not checkpointed and per_sample > 0:
             flops = float(row["flops_per_sample"])
@@ -242,7 +273,9 @@ def calibrated_model(
             "the compute uses"
         )
     rate = max(rates)[1] if rates else None
-    return TimeModel(links, points, models, rate, peak, gpus_per_node, sources, overlap=overlap)
+    return TimeModel(
+        links, points, models, rate, peak, gpus_per_node, sources, overlap=overlap, calibrated=True
+    )
 
 
 def _links(fits: Mapping[str, Any]) -> dict[str, dict[str, float]]:

@@ -75,6 +75,8 @@ def annotate_time(rows: Sequence[dict[str, Any]], model: TimeModel) -> None:
         if row.get("status") != "ok":
             continue
         row.update(predict(row, model))
+        if row["predicted_step_ms"] is None:
+            continue
         if row["strategy"] == "ddp" and "bucket_cap_mb" not in row["knobs"]:
             row["predicted_by_bucket_ms"] = {
                 str(cap): predict(row, model, bucket_cap_mb=cap)["predicted_step_ms"]
@@ -101,7 +103,9 @@ def predict(
     strategy = row["strategy"]
     knobs = dict(row.get("knobs") or {})
     micro = micro_steps(knobs)
-    compute, optimizer, source = _compute_ms(row, model)
+    compute, optimizer, source, peak = _compute_ms(row, model)
+    if source is None:  # nothing to predict from: no step, rather than communication alone
+        return {key: None for key in PREDICTED}
     per_micro = max(0.0, compute - optimizer) / micro
     share = FORWARD_SHARE
     if knobs.get("activation_checkpointing"):  # the forward again, inside backward
@@ -111,28 +115,38 @@ def predict(
     by_dim = row.get("comm_bytes_by_dim") or {"world": dict(row.get("comm_bytes_per_step") or {})}
     calls = dict(row.get("comm_calls_per_step") or {})
     comm: dict[str, float] = {}
+    last_bucket = 0.0
     for dim, kinds in by_dim.items():
         group = groups.get(dim, groups["world"])
         for kind, nbytes in kinds.items():
+            if group.ranks <= 1 or nbytes <= 0:
+                continue
             fitted = model.links[group.scope]  # a collective the probe could not fit: another's
             link = fitted.get(kind) or fitted.get("all_reduce") or next(iter(fitted.values()))
-            count = _calls(strategy, kind, dim, nbytes, calls, knobs, bucket_cap_mb)
-            seconds = collective_seconds(link, kind, nbytes, group.ranks)
-            if group.ranks > 1:
-                seconds += (count - 1) * float(link["latency_us"]) * 1e-6
-            comm[f"{kind}@{dim}"] = seconds * 1e3
+            latency = float(link["latency_us"]) * 1e-3
+            transfer = collective_seconds(link, kind, nbytes, group.ranks) * 1e3 - latency
+            count = _calls(strategy, kind, nbytes, calls, knobs, bucket_cap_mb)
+            comm[f"{kind}@{dim}"] = count * latency + transfer
+            if strategy == "ddp":  # the last bucket: its own latency and its bytes
+                last_bytes = _last_bucket_bytes(nbytes, knobs, bucket_cap_mb)
+                last_bucket += latency + transfer * last_bytes / nbytes
+    total = sum(comm.values())
     if not model.overlap:
-        exposed = dict(comm)
+        hidden_total = total
     elif strategy == "ddp":
-        exposed = _ddp_exposed(comm, row, knobs, backward, bucket_cap_mb)
+        hidden_total = last_bucket + max(0.0, total - last_bucket - backward)
     else:
-        exposed = _fsdp_exposed(comm, calls, knobs, forward, backward, micro)
-    step = compute + sum(exposed.values())
+        hidden_total = _fsdp_exposed(comm, calls, knobs, forward, backward, micro)
+    # What the step waits for, by collective and mesh dimension (each its share of the total).
+    exposed = {key: hidden_total * value / total for key, value in comm.items()} if total else {}
+    step = compute + hidden_total
+    if not step > 0:
+        return {key: None for key in PREDICTED}
     samples = float(row["batch_size"])
     flops = row.get("flops_per_sample")
     mfu = None
-    if flops and model.peak_flops:
-        mfu = flops * samples / (step / 1e3) / model.peak_flops
+    if flops and peak:
+        mfu = flops * samples / (step / 1e3) / peak
     return {
         "predicted_step_ms": step,
         "predicted_parts_ms": {
@@ -147,16 +161,19 @@ def predict(
     }
 
 
+PREDICTED = ("predicted_step_ms", "predicted_parts_ms", "predicted_samples_per_s", "predicted_mfu")
+"""The fields :func:`predict` adds (all ``None`` for a row with nothing to predict from)."""
+
+
 def _calls(
     strategy: str,
     kind: str,
-    dim: str,
     nbytes: float,
     calls: Mapping[str, int],
     knobs: Mapping[str, Any],
     bucket_cap_mb: float | None,
 ) -> int:
-    """How many collectives of ``kind`` the step issues on ``dim`` (a latency each)."""
+    """How many collectives of ``kind`` the step issues (a latency each): DDP's buckets."""
     if strategy == "ddp":
         cap = bucket_cap_mb or knobs.get("bucket_cap_mb") or 25.0
         rest = max(0.0, nbytes - DDP_FIRST_BUCKET_BYTES)
@@ -164,24 +181,13 @@ def _calls(
     return max(1, int(calls.get(kind) or 1))
 
 
-def _ddp_exposed(
-    comm: Mapping[str, float],
-    row: Mapping[str, Any],
-    knobs: Mapping[str, Any],
-    backward: float,
-    bucket_cap_mb: float | None,
-) -> dict[str, float]:
-    """The last bucket after backward, the others behind it."""
-    total = sum(comm.values())
-    if total == 0:
-        return {}
-    nbytes = sum(dict(row.get("comm_bytes_per_step") or {}).values())
+def _last_bucket_bytes(
+    nbytes: float, knobs: Mapping[str, Any], bucket_cap_mb: float | None
+) -> float:
+    """The bytes of DDP's last bucket: what is left after the first (1 MiB) and the full ones."""
     cap = (bucket_cap_mb or knobs.get("bucket_cap_mb") or 25.0) * 2**20
     rest = max(0.0, nbytes - DDP_FIRST_BUCKET_BYTES)
-    last_bytes = (rest - cap * math.floor((rest - 1) / cap)) if rest > 0 else nbytes
-    last = total * last_bytes / nbytes if nbytes else 0.0
-    key = next(iter(comm))
-    return {key: last + max(0.0, total - last - backward)}
+    return (rest - cap * math.floor((rest - 1) / cap)) if rest > 0 else nbytes
 
 
 def _fsdp_exposed(
@@ -191,34 +197,41 @@ def _fsdp_exposed(
     forward: float,
     backward: float,
     micro: int,
-) -> dict[str, float]:
-    """Unit by unit: gathers one unit ahead, reduce-scatters (and replica all-reduces) behind."""
+) -> float:
+    """Unit by unit: gathers one unit ahead, reduce-scatters (and replica all-reduces) behind.
+
+    The units are the all-gathers of a micro-step (halved with ``reshard_after_forward``,
+    rounded up: a root that stays gathered after forward is gathered once). A micro-step's
+    first gather has nothing to hide behind, in forward, and in backward when every unit was
+    resharded (twice as many gathers as units).
+    """
     gathers = sum(v for k, v in comm.items() if k.startswith("all_gather"))
     scatters = sum(v for k, v in comm.items() if k.startswith("reduce_scatter"))
     reduces = sum(v for k, v in comm.items() if k.startswith("all_reduce"))
     if gathers + scatters + reduces == 0:
-        return {}
+        return 0.0
     reshard = knobs.get("reshard_after_forward", True) is not False
-    gather_calls = max(1, int(calls.get("all_gather") or 1)) // micro
-    units = max(1, gather_calls // 2 if reshard else gather_calls)
-    per_micro_gather = gathers / micro
-    fwd_gather = per_micro_gather / 2 if reshard else per_micro_gather
-    bwd_gather = per_micro_gather - fwd_gather
+    gather_calls = max(1, int(calls.get("all_gather") or 1) // micro)
+    units = max(1, math.ceil(gather_calls / 2) if reshard else gather_calls)
+    per_unit_gather = gathers / micro / gather_calls  # one all-gather, on average
+    g_f = per_unit_gather
+    g_b = per_unit_gather if reshard else 0.0
+    first_backward = g_b if reshard and gather_calls == 2 * units else 0.0
     unit_fwd, unit_bwd = forward / units, backward / units
-    g_f, g_b = fwd_gather / units, bwd_gather / units
     r_s, a_r = scatters / units, reduces / units  # the last micro-step only
     exposed_fwd = g_f + (units - 1) * max(0.0, g_f - unit_fwd)
-    last = (units - 1) * max(0.0, g_b + r_s + a_r - unit_bwd) + r_s + a_r
-    early = (units - 1) * max(0.0, g_b - unit_bwd)  # micro-steps without reduction
-    out = {
-        "all_gather_forward": micro * exposed_fwd,
-        "backward": last + (micro - 1) * early,
-    }
-    return {key: value for key, value in out.items() if value > 0}
+    last = first_backward + (units - 1) * max(0.0, g_b + r_s + a_r - unit_bwd) + r_s + a_r
+    early = first_backward + (units - 1) * max(0.0, g_b - unit_bwd)  # no reduction
+    return micro * exposed_fwd + last + (micro - 1) * early
 
 
-def _compute_ms(row: Mapping[str, Any], model: TimeModel) -> tuple[float, float, str]:
-    """The step's compute and its optimizer part (ms), and where they came from."""
+def _compute_ms(
+    row: Mapping[str, Any], model: TimeModel
+) -> tuple[float, float, str | None, float | None]:
+    """The step's compute and its optimizer part (ms), their source, and their peak FLOP/s.
+
+    A ``None`` source: nothing to predict from (no calibration of the model, no FLOPs).
+    """
     strategy = row["strategy"]
     world = int(row["world_size"])
     shard = 1
@@ -226,29 +239,47 @@ def _compute_ms(row: Mapping[str, Any], model: TimeModel) -> tuple[float, float,
         shard = world
     elif strategy == "hsdp":
         shard = min(world, model.gpus_per_node)
+    knobs = dict(row.get("knobs") or {})
+    bf16 = knobs.get("param_dtype") == "bf16"
+    peak = model.bf16_peak if bf16 and model.bf16_peak else model.peak_flops
     calibrated = model.points.get(point_key(row))
     if calibrated is not None:
         optimizer = calibrated["optimizer_ms"] / shard
         compute = calibrated["step_ms"] - calibrated["optimizer_ms"] + optimizer
-        return compute, optimizer, "calibration: this point at world size 1"
-    knobs = dict(row.get("knobs") or {})
+        return compute, optimizer, "calibration: this point at world size 1", peak
     checkpointed = bool(knobs.get("activation_checkpointing"))
     samples = float(row["batch_size"])
+    params = (knobs.get("param_dtype") or "fp32",)
     for ckpt in (checkpointed, False):
-        found = model.models.get((row["model"], row.get("dtype"), ckpt))
-        if found is not None:
+        for param_dtype in (*params, "fp32")[: 1 if params[0] == "fp32" else 2]:
+            found = model.models.get((row["model"], row.get("dtype"), param_dtype, ckpt))
+            if found is None:
+                continue
             optimizer = found["optimizer_ms"] / shard
             work = found["ms_per_sample"] * samples
             if checkpointed and not ckpt:
                 work *= 1 + FORWARD_SHARE  # the forward again
-            return work + optimizer, optimizer, "calibration: this model's compute_ms"
+            source = "calibration: this model's compute_ms"
+            if param_dtype != params[0]:
+                source += f" in {param_dtype} (none measured in {params[0]})"
+            return work + optimizer, optimizer, source, peak
     flops = row.get("flops_per_sample")
     if not flops or not model.flops_rate:
-        return 0.0, 0.0, "unknown: no FLOPs or rate"
+        return 0.0, 0.0, None, peak
     rate = model.flops_rate
-    if model.bf16_rate and knobs.get("param_dtype") == "bf16":
+    if model.bf16_rate and bf16:
         rate = model.bf16_rate
     work = flops * samples / rate * 1e3
     if checkpointed:
         work *= 1 + FORWARD_SHARE
-    return work, 0.0, "FLOPs at " + ("the calibration's rate" if model.points else "peak x MFU")
+    optimizer = 0.0
+    if model.optimizer_bytes_per_s:  # AdamW streams ~28 bytes per fp32 parameter
+        optimizer = ADAMW_BYTES_PER_PARAM * float(row.get("params") or 0) / shard
+        optimizer = optimizer / model.optimizer_bytes_per_s * 1e3
+    source = "FLOPs at the calibration's rate" if model.calibrated else "FLOPs at peak x MFU"
+    return work + optimizer, optimizer, source, peak
+
+
+ADAMW_BYTES_PER_PARAM = 28
+"""Bytes AdamW moves per fp32 parameter: reads the parameter, its gradient and two moments,
+writes the parameter and the moments (7 x 4 bytes), at the memory's bandwidth."""

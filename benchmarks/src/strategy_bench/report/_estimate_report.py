@@ -68,11 +68,7 @@ def _measured_beside(
     rows = ok_rows(measured)
     out = []
     for entry in chosen:
-        mine = [
-            row
-            for row in rows
-            if row["model"] == entry["model"] and row["world_size"] == entry["world_size"]
-        ]
+        mine = [row for row in rows if _same_point(row, entry)]
         if not mine or entry["strategy"] is None:
             continue
         fastest = max(mine, key=lambda row: row["samples_per_s"])
@@ -92,3 +88,9 @@ def _measured_beside(
             + ("the same choice." if agree else "a different choice.")
         )
     return out
+
+
+def _same_point(row: Mapping[str, Any], entry: Mapping[str, Any]) -> bool:
+    """The run's row is of the recommendation's model, world size, batch and dtype."""
+    keys = ("model", "world_size", "batch_size", "dtype")
+    return all(row.get(key) == entry.get(key) for key in keys)

@@ -153,7 +153,7 @@ def _predicted(row: Mapping[str, Any]) -> tuple[str, str]:
     if not step:
         return "-", "-"
     exposed = sum(row["predicted_parts_ms"]["exposed_comm"].values())
-    return f"{step:.1f} ({exposed:.1f})", f"{row['predicted_samples_per_s']:.1f}"
+    return f"{step:.4g} ({exposed:.3g})", f"{row['predicted_samples_per_s']:.4g}"
 
 
 def recommendation_table(entries: Sequence[Mapping[str, Any]], *, markdown: bool = False) -> str:
@@ -172,11 +172,11 @@ def recommendation_table(entries: Sequence[Mapping[str, Any]], *, markdown: bool
                 str(entry["model"]),
                 str(entry["world_size"]),
                 choice_text(entry),
-                f"{entry['predicted_step_ms']:.1f}",
-                f"{entry['predicted_samples_per_s']:.1f}",
+                f"{entry['predicted_step_ms']:.4g}",
+                f"{entry['predicted_samples_per_s']:.4g}",
                 "-"
                 if runner is None
-                else f"{choice_text(runner)} ({runner['predicted_step_ms']:.1f} ms)",
+                else f"{choice_text(runner)} ({runner['predicted_step_ms']:.4g} ms)",
                 "-" if entry.get("margin") is None else f"{100 * entry['margin']:.1f}% faster",
             )
         )
