@@ -132,6 +132,13 @@ def probe_links(
     sizes = [int(mib * 2**20) for mib in kept]
     out: dict[str, Any] = {"sizes_mib": kept}
     if local >= world or world % local != 0:
+        if local < world:  # nodes of unequal size: no group is one node, none one per node
+            logger.warning(
+                "comm probe: %d ranks are not whole nodes of %d (LOCAL_WORLD_SIZE); the whole "
+                "group is fitted as one link, intra_node",
+                world,
+                local,
+            )
         out["intra_node"] = _probe_group(device, sizes, None, world)
         return {key: value for key, value in out.items() if value is not None}
     nodes = world // local
