@@ -28,11 +28,11 @@ QUICK = [
     "2",
     "--probe-mib",
     "0.0625",
-    "8",
+    "16",
     "--ckpt-samples",
     "1",
 ]
-"""Short runs. A probe of two sizes far enough apart for a fit (64 KiB and 8 MiB); one checkpoint-cost sample per point (the smoke run
+"""Short runs. A probe of two sizes far enough apart for a fit under load (64 KiB and 16 MiB); one checkpoint-cost sample per point (the smoke run
 measures the default's three, alternating). ``--ckpt-samples`` comes last."""
 
 

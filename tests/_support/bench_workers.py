@@ -116,3 +116,17 @@ def checkpoint_cost_cases(rank: int, world_size: int) -> dict[str, Any]:
     finally:
         _ckpt.save_checkpoint, _ckpt.dcp_save = save, raw_save  # type: ignore[assignment]
     return results
+
+
+def probe_two_nodes(rank: int, world_size: int) -> dict[str, Any]:
+    """The communication probe as 2 pretend nodes of ``world_size // 2`` ranks see it."""
+    import os
+
+    import torch
+
+    from strategy_bench.measure import probe_links
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size // 2)
+    found = probe_links(torch.device("cpu"), (0.0625, 4.0))
+    assert found is not None
+    return found

@@ -73,14 +73,14 @@ def test_run_smoke(
         assert row["mfu_vs_matmul"] is None
     # The probe on 2 gloo ranks: every collective fitted, positive and finite.
     probe = env["comm_probe"]
-    assert probe["sizes_mib"] == [0.0625, 8.0] and set(probe) == {"sizes_mib", "intra_node"}
+    assert probe["sizes_mib"] == [0.0625, 16.0] and set(probe) == {"sizes_mib", "intra_node"}
     assert sorted(probe["intra_node"]) == ["all_gather", "all_reduce", "reduce_scatter"]
     for fit in probe["intra_node"].values():
         assert math.isfinite(fit["busbw_gbps"]) and fit["busbw_gbps"] > 0, fit
         assert math.isfinite(fit["latency_us"]) and fit["latency_us"] >= 0, fit
         assert fit["ranks"] == 2 and len(fit["samples"]) == 2
-    for row in rows:  # the step without communication, and its optimizer part
-        assert 0 < row["optimizer_ms"] < row["compute_ms"], row
+    for row in rows:  # the step without communication, and its optimizer part (timed apart)
+        assert row["compute_ms"] > 0 and row["optimizer_ms"] > 0, row
     read_results(out / "results.json")  # the schema check accepts it
     for name in (
         "throughput",

@@ -80,6 +80,22 @@ def test_each_cold_wrap_gets_a_new_group_that_is_destroyed() -> None:
         assert result["live_at_step"] == [1]  # the step's model; every wrap copy freed
 
 
+@pytest.mark.multiprocess
+def test_the_probe_fits_each_link_of_a_run_across_nodes() -> None:
+    """4 ranks as 2 nodes of 2: every collective fitted inside a node (2 ranks) and across
+    (one rank of each node), the same figures on every rank."""
+    from bench_workers import probe_two_nodes
+
+    results = run_ranks(probe_two_nodes, world_size=4)
+    assert all(result == results[0] for result in results)
+    probe = results[0]
+    assert probe["sizes_mib"] == [0.0625, 4.0]
+    for link in ("intra_node", "inter_node"):
+        assert sorted(probe[link]) == ["all_gather", "all_reduce", "reduce_scatter"], probe
+        for fit in probe[link].values():
+            assert fit["ranks"] == 2 and fit["busbw_gbps"] > 0 and fit["latency_us"] >= 0
+
+
 def test_counted_flops_agree_with_the_preset_formula() -> None:
     import torch
 
