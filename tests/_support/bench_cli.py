@@ -32,8 +32,9 @@ QUICK = [
     "--ckpt-samples",
     "1",
 ]
-"""Short runs. A probe of two sizes far enough apart for a fit under load (64 KiB and 16 MiB); one checkpoint-cost sample per point (the smoke run
-measures the default's three, alternating). ``--ckpt-samples`` comes last."""
+"""Short runs. A probe of two sizes far enough apart for a fit under load (64 KiB and 16
+MiB); one checkpoint-cost sample per point (the smoke run measures the default's three,
+alternating). ``--ckpt-samples`` comes last."""
 
 
 USER_MODEL = (

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 
 import torch
 from torch import nn
@@ -38,3 +40,14 @@ def wsum64(data: bytes) -> str:
         total += sum(words)
         weighted += (index + 1) * sum(words)
     return f"{total % 2**64:016x}{weighted % 2**64:016x}"
+
+
+def checkpoint_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m checkpoint_io ARGS`` in a child process: its exit code and output."""
+    return subprocess.run(
+        [sys.executable, "-m", "checkpoint_io", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )

@@ -25,7 +25,7 @@ from checkpoint_io import (
     load_checkpoint,
     save_checkpoint,
 )
-from checkpoint_models import Small, trained
+from checkpoint_models import Small, checkpoint_cli, trained
 from dist_harness import run_ranks, two_rank_backends
 from replica_init import state_fingerprint
 
@@ -299,16 +299,6 @@ class TestOneProcess:
         assert torch.equal(torch.rand(3), expected)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "checkpoint_io", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 class TestLongRuns:
     def test_keep_last_and_latest(self, tmp_path: Path) -> None:
         model, optimizer = trained()
@@ -433,7 +423,7 @@ class TestLongRuns:
         model, _ = trained()
         path = save_checkpoint(tmp_path / "c", model)
         manifest = json.loads((path / "checkpoint.json").read_text())
-        shown = _cli("inspect", str(path), "--fingerprint")
+        shown = checkpoint_cli("inspect", str(path), "--fingerprint")
         fingerprint = shown.stdout.strip().splitlines()[-1].split()[-1]
         assert fingerprint == state_fingerprint(sorted(model.state_dict().items()))
         del manifest["files"]
@@ -445,17 +435,17 @@ class TestLongRuns:
             load_checkpoint(path, Small())
 
 
-def test_cli(tmp_path: Path) -> None:
+def testcheckpoint_cli(tmp_path: Path) -> None:
     model, optimizer = trained()
     path = save_checkpoint(tmp_path / "c", model, optimizer, step=5)
-    shown = _cli("inspect", str(path))
+    shown = checkpoint_cli("inspect", str(path))
     assert shown.returncode == 0, shown.stderr
     assert '"step": 5' in shown.stdout and "model.body.weight" in shown.stdout
     assert "4x4" in shown.stdout and "torch.float32" in shown.stdout
-    bad = _cli("inspect", str(tmp_path / "missing"))
+    bad = checkpoint_cli("inspect", str(tmp_path / "missing"))
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "no checkpoint at" in bad.stderr
-    done = _cli("consolidate", str(path), str(tmp_path / "one.pt"))
+    done = checkpoint_cli("consolidate", str(path), str(tmp_path / "one.pt"))
     assert done.returncode == 0, done.stderr
     assert torch.load(tmp_path / "one.pt", weights_only=True)["step"] == 5
 

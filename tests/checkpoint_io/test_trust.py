@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ from checkpoint_io import (
     load_checkpoint,
     save_checkpoint,
 )
-from checkpoint_models import Small, trained, wsum64
+from checkpoint_models import Small, checkpoint_cli, trained, wsum64
 
 
 class Payload:
@@ -67,16 +65,6 @@ def _same(model: nn.Module, snapshot: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(v, snapshot[k]) for k, v in model.state_dict().items())
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "checkpoint_io", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-
-
 def test_a_crafted_metadata_runs_nothing_anywhere(tmp_path: Path) -> None:
     model, optimizer = trained()
     path = save_checkpoint(tmp_path / "run" / "step-1", model, optimizer, step=1)
@@ -94,7 +82,7 @@ def test_a_crafted_metadata_runs_nothing_anywhere(tmp_path: Path) -> None:
         consolidate_checkpoint(path, tmp_path / "one.pt")
     assert latest_checkpoint(tmp_path / "run") is None  # skipped as damaged, not read
     assert CheckpointManager(tmp_path / "run", every=1).resume(fresh) == 0
-    done = _cli("inspect", str(path))
+    done = checkpoint_cli("inspect", str(path))
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "refused as unsafe" in done.stderr, done.stderr
     assert not marker.exists()  # the payload never ran

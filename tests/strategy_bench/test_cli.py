@@ -409,6 +409,16 @@ def test_user_model_end_to_end(
             "--scale-param 'wide': the model factory 'make_model' takes no such parameter "
             "(it takes: depth, width)",
         ),
+        (
+            ["run", "--probe-mib", "0"],
+            "--probe-mib takes two sizes or more, each above 0 MiB (or none), got 0",
+        ),
+        (["run", "--threads-per-rank", "0"], "--threads-per-rank must be >= 1, got 0"),
+        (["estimate", "--inter-node-gbps", "0"], "--inter-node-gbps must be positive, got 0"),
+        (
+            ["estimate", "--gpu", "H100", "--assumed-mfu", "1.5"],
+            "--assumed-mfu must be in (0, 1], got 1.5",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from strategy_bench.estimate._points import EstimatePoint
+from strategy_bench.estimate._time_model import DEFAULT_BUCKET_CAP_MB
 from strategy_bench.results import ok_rows
 
 ACCUMULATION_STEPS = (2, 4, 8)
 """Micro-batches per step tried, at the same global batch, for a point that does not fit."""
-
-DEFAULT_BUCKET_CAP_MB = 25.0
-"""torch's ``bucket_cap_mb`` default: a recommendation names another value only."""
 
 
 def candidates(row: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -60,10 +57,9 @@ def accumulation_points(
         for steps in ACCUMULATION_STEPS:
             if batch_size % steps == 0:
                 knobs = {**row["knobs"], "grad_accum": steps}
-                point = EstimatePoint(models.index(row["model"]), row["strategy"], knobs, 0)
-                out.setdefault(steps, []).append(
-                    dataclasses.replace(point, world_size=int(row["world_size"]))
-                )
+                index, world = models.index(row["model"]), int(row["world_size"])
+                point = EstimatePoint(index, row["strategy"], knobs, world)
+                out.setdefault(steps, []).append(point)
     return out
 
 

@@ -36,8 +36,11 @@ from strategy_bench.estimate._time_inputs import TimeModel, point_key
 from strategy_bench.measure import collective_seconds
 from strategy_bench.workload import micro_steps
 
-BUCKET_CAPS_MB = (1.0, 5.0, 25.0, 100.0)
-"""DDP ``bucket_cap_mb`` values every DDP row is predicted at; torch's default is 25."""
+DEFAULT_BUCKET_CAP_MB = 25.0
+"""torch's DDP ``bucket_cap_mb`` default."""
+
+BUCKET_CAPS_MB = (1.0, 5.0, DEFAULT_BUCKET_CAP_MB, 100.0)
+"""DDP ``bucket_cap_mb`` values every DDP row is predicted at."""
 
 DDP_FIRST_BUCKET_BYTES = 2**20
 """DDP's first bucket (the last parameters, ready first) is capped at 1 MiB."""
@@ -175,17 +178,21 @@ def _calls(
 ) -> int:
     """How many collectives of ``kind`` the step issues (a latency each): DDP's buckets."""
     if strategy == "ddp":
-        cap = bucket_cap_mb or knobs.get("bucket_cap_mb") or 25.0
         rest = max(0.0, nbytes - DDP_FIRST_BUCKET_BYTES)
-        return 1 + math.ceil(rest / (cap * 2**20))
+        return 1 + math.ceil(rest / _bucket_cap_bytes(knobs, bucket_cap_mb))
     return max(1, int(calls.get(kind) or 1))
+
+
+def _bucket_cap_bytes(knobs: Mapping[str, Any], bucket_cap_mb: float | None) -> float:
+    """The cap asked for, else the row's knob, else torch's default, in bytes."""
+    return float(bucket_cap_mb or knobs.get("bucket_cap_mb") or DEFAULT_BUCKET_CAP_MB) * 2**20
 
 
 def _last_bucket_bytes(
     nbytes: float, knobs: Mapping[str, Any], bucket_cap_mb: float | None
 ) -> float:
     """The bytes of DDP's last bucket: what is left after the first (1 MiB) and the full ones."""
-    cap = (bucket_cap_mb or knobs.get("bucket_cap_mb") or 25.0) * 2**20
+    cap = _bucket_cap_bytes(knobs, bucket_cap_mb)
     rest = max(0.0, nbytes - DDP_FIRST_BUCKET_BYTES)
     return (rest - cap * math.floor((rest - 1) / cap)) if rest > 0 else nbytes
 

@@ -8,8 +8,7 @@ import gc
 import itertools
 import logging
 import statistics
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ from strategy_bench.measure._ckpt import checkpoint_cost
 from strategy_bench.measure._flops import count_step_flops, fake_flops_per_sample
 from strategy_bench.measure._memory import PeakMemory
 from strategy_bench.measure._options import RunOptions
-from strategy_bench.measure._timing import time_steps, timed_ms
+from strategy_bench.measure._timing import local_ms, time_steps, timed_ms
 from strategy_bench.workload import (
     Workload,
     micro_steps,
@@ -335,31 +334,10 @@ def _time_unwrapped(point: _Point, replica: nn.Module) -> dict[str, float | None
         optimizer.zero_grad(set_to_none=True)
 
     count = max(3, options.steps // 2)
-    steps = _local_ms(step, count, warmup=1, device=device)
+    steps = local_ms(step, count, warmup=1, device=device)
     backward()  # gradients for the optimizer alone
-    alone = _local_ms(optimizer.step, count, warmup=0, device=device)
+    alone = local_ms(optimizer.step, count, warmup=0, device=device)
     return {"compute_ms": statistics.median(steps), "optimizer_ms": statistics.median(alone)}
-
-
-def _local_ms(
-    fn: Callable[[], object], count: int, *, warmup: int, device: torch.device
-) -> list[float]:
-    """``fn``'s milliseconds per call on this rank's clock.
-
-    No collective: a rank that fails (out of memory) leaves no other one waiting.
-    """
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(count):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        begin = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        out.append((time.perf_counter() - begin) * 1e3)
-    return out
 
 
 def warm_up_process(device: torch.device) -> None:

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from strategy_bench._compat import all_gather_single, reduce_scatter_single
+from strategy_bench.measure._timing import synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -212,15 +213,10 @@ def _time_size(
         spent = []
         for _ in range(_REPEATS):
             dist.barrier()  # every group's call at once: they share the host and the network
-            _sync(device)
+            synchronize(device)
             begin = time.perf_counter()
             call()
-            _sync(device)
+            synchronize(device)
             spent.append(time.perf_counter() - begin)
         out[kind] = (numel * 4, statistics.median(spent))
     return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

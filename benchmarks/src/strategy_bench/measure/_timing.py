@@ -72,15 +72,38 @@ def time_steps(
     return times
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA); nothing elsewhere."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def local_ms(
+    fn: Callable[[], object], count: int, *, warmup: int, device: torch.device
+) -> list[float]:
+    """``fn``'s milliseconds per call on this rank's clock, ``count`` calls after ``warmup``.
+
+    No collective: a rank that fails (out of memory) leaves no other one waiting.
+    """
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(count):
+        synchronize(device)
+        begin = time.perf_counter()
+        fn()
+        synchronize(device)
+        out.append((time.perf_counter() - begin) * 1e3)
+    return out
+
+
 def timed_ms(fn: Callable[[], _T], device: torch.device) -> tuple[float, _T]:
     """Run ``fn`` once between barriers (and CUDA syncs); its wall time in ms and its result."""
     dist.barrier()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     begin = time.perf_counter()
     result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     elapsed = (time.perf_counter() - begin) * 1e3
     dist.barrier()
     return elapsed, result
