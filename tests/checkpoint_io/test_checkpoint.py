@@ -323,6 +323,45 @@ class TestLongRuns:
             assert sorted(p.name for p in root.iterdir()) == ["step-8", "step-9"]
             assert manager.latest() == latest_checkpoint(root) == root / "step-9"
 
+    def test_keep_last_after_a_roll_back_keeps_the_run_you_are_on(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Issue 51 (1): a save below the newest step removed itself and every older one."""
+        model, optimizer = trained()
+        for async_save in (False, True):
+            root = tmp_path / f"async-{async_save}"
+            first = CheckpointManager(root, every=100)
+            for step in (500, 900, 1000):
+                first.maybe_save(step, model, optimizer)
+            # the loss spiked: roll back to step-500 and train on from there, keeping 2
+            load_checkpoint(root / "step-500", model, optimizer)
+            manager = CheckpointManager(root, every=100, keep_last=2, async_save=async_save)
+            with caplog.at_level("WARNING", logger="checkpoint_io"):
+                manager.maybe_save(600, model, optimizer)
+                manager.wait()
+            assert (root / "step-600").is_dir()  # the one just published survives
+            assert "step-900, step-1000" in caplog.text and "roll-back" in caplog.text
+            for step in (700, 800):
+                manager.maybe_save(step, model, optimizer)
+                manager.wait()
+            names = sorted(p.name for p in root.iterdir())
+            assert names == ["step-1000", "step-700", "step-800", "step-900"]
+
+    def test_only_canonical_step_names_count(self, tmp_path: Path) -> None:
+        """A hostile step-99999999 leaves the run alone; step-007 and Unicode digits are no steps."""
+        import shutil
+
+        model, optimizer = trained()
+        manager = CheckpointManager(tmp_path, every=1, keep_last=1)
+        manager.maybe_save(5, model, optimizer)
+        for name in ("step-99999999", "step-007", "step-\u0669\u0669"):
+            shutil.copytree(tmp_path / "step-5", tmp_path / name)
+        manager.maybe_save(6, model, optimizer)
+        names = sorted(p.name for p in tmp_path.iterdir())
+        assert names == ["step-007", "step-6", "step-99999999", "step-\u0669\u0669"]
+        shutil.rmtree(tmp_path / "step-99999999")
+        assert latest_checkpoint(tmp_path) == tmp_path / "step-6"
+
     def test_latest_skips_partial_and_damaged(
         self, tmp_path: Path, caplog: pytest.LogCaptureFixture
     ) -> None:

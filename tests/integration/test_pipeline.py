@@ -192,7 +192,7 @@ def test_resume_on_another_number_of_ranks(tmp_path: Path) -> None:
     the uninterrupted 2-rank run's weights up to float reduction order; FSDP saved in one
     process and continued on 2 ranks, and saved on 2 and continued in one (accumulating 2):
     the same."""
-    common = ("--global-batch", "16", "--micro-batch", "4", "--steps", "6", "--pg-timeout-s", "20")
+    common = ("--global-batch", "16", "--micro-batch", "4", "--steps", "6", "--pg-timeout-s", "120")
     straight = _example(*common)
     expected, order = _final_sum(straight), _samples(straight)
     assert sorted(order) == list(range(6))
@@ -226,7 +226,7 @@ def test_killed_and_restarted_run_ends_at_the_uninterrupted_weights(tmp_path: Pa
     Each attempt resumes from the latest complete checkpoint by itself; the run ends at the
     uninterrupted run's weights, bit for bit."""
     common = ("--strategy", "fsdp", "--steps", "10", "--ckpt-every", "2", "--keep-last", "2")
-    common += ("--async-save", "--pg-timeout-s", "20")
+    common += ("--async-save", "--pg-timeout-s", "120")
     straight = _example(*common, "--ckpt-dir", str(tmp_path / "straight"))
     kills = "0:1:3:step,1:1:6:save,2:0:7:step"  # attempt:rank:steps done:where
     restarted = _example(

@@ -111,4 +111,5 @@ def test_sharded_wrap_failure_reaches_every_rank(ranks: list[dict[str, Any]]) ->
     assert ranks[0]["sharded_wrap_failure"] == (
         "RuntimeError: sharding the model failed on rank(s) [1]; rank 1: shard failed on rank 1"
     )
-    assert all(r["sharded_wrap_failure_s"] < 30 for r in ranks)  # not the group's 60 s timeout
+    # The exchanged message above is the proof that rank 0 did not sit out the group's 60 s
+    # timeout (that raises another error); no wall-clock bound, which a busy host can break.

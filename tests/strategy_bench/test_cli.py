@@ -6,13 +6,13 @@ import json
 import math
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from bench_cli import QUICK, USER_MODEL, assert_png, bench, exit_code
 from strategy_bench import SCHEMA, read_results
+from strategy_bench.measure import PROBE_KINDS
 
 
 @pytest.fixture(scope="module")
@@ -71,11 +71,16 @@ def test_run_smoke(
         assert row["flops_per_sample"] == pytest.approx(row["analytic_flops_per_sample"], rel=0.05)
         assert row["mfu"] == pytest.approx(row["achieved_flops_per_rank"] / 0.5e12)
         assert row["mfu_vs_matmul"] is None
-    # The probe on 2 gloo ranks: every collective fitted, positive and finite.
+    # The probe on 2 gloo ranks: each collective fitted (positive and finite) or listed as not
+    # fitted with its reason (under load a small message can outlast a large one).
     probe = env["comm_probe"]
-    assert probe["sizes_mib"] == [0.0625, 16.0] and set(probe) == {"sizes_mib", "intra_node"}
-    assert sorted(probe["intra_node"]) == ["all_gather", "all_reduce", "reduce_scatter"]
-    for fit in probe["intra_node"].values():
+    assert probe["sizes_mib"] == [0.0625, 16.0]
+    assert set(probe) <= {"sizes_mib", "intra_node", "not_fitted"}, probe
+    missing = probe.get("not_fitted", {}).get("intra_node", {})
+    assert set(probe.get("not_fitted", {})) <= {"intra_node"}
+    assert sorted([*probe.get("intra_node", {}), *missing]) == sorted(PROBE_KINDS)
+    assert all("times do not grow with the message size" in why for why in missing.values())
+    for fit in probe.get("intra_node", {}).values():
         assert math.isfinite(fit["busbw_gbps"]) and fit["busbw_gbps"] > 0, fit
         assert math.isfinite(fit["latency_us"]) and fit["latency_us"] >= 0, fit
         assert fit["ranks"] == 2 and len(fit["samples"]) == 2
@@ -512,7 +517,6 @@ def test_cuda_requests_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None
 
 @pytest.mark.multiprocess
 def test_a_failing_rank_ends_the_run_promptly(tmp_path: Path) -> None:
-    begin = time.monotonic()
     done = bench(
         "run",
         *QUICK,
@@ -524,14 +528,15 @@ def test_a_failing_rank_ends_the_run_promptly(tmp_path: Path) -> None:
         "bench_factories:make_batch",
         "--out",
         str(tmp_path),
+        timeout=240,
     )
-    elapsed = time.monotonic() - begin
     assert done.returncode == 1
     assert "rank 1 failed" in done.stderr
     assert "model construction failed on rank 1 (on purpose)" in done.stderr
     assert "Traceback" in done.stderr
-    # Rank 0 waits in a collective that would only time out after 300 s; the watchdog ends it.
-    assert elapsed < 150, elapsed
+    # Rank 0 waits in a collective that would only time out after 300 s; the run ended within
+    # bench()'s deadline, set below that (a deadline, not a timing: it took ~15 s here), so
+    # the watchdog ended it.
 
 
 @pytest.mark.multiprocess

@@ -82,18 +82,31 @@ def test_each_cold_wrap_gets_a_new_group_that_is_destroyed() -> None:
 
 @pytest.mark.multiprocess
 def test_the_probe_fits_each_link_of_a_run_across_nodes() -> None:
-    """4 ranks as 2 nodes of 2: every collective fitted inside a node (2 ranks) and across
-    (one rank of each node), the same figures on every rank."""
+    """4 ranks as 2 nodes of 2: every collective timed inside a node (2 ranks) and across
+    (one rank of each node), the same figures on every rank.
+
+    Whether a fit exists depends on the machine's load (a 64 KiB collective can take longer
+    than a 4 MiB one on a busy host), so each collective is either fitted or listed as not
+    fitted with its reason; never silently missing. The fit itself is tested on synthetic
+    times (test_time_model.py, test_the_fit_recovers_a_known_latency_and_bandwidth).
+    """
     from bench_workers import probe_two_nodes
 
     results = run_ranks(probe_two_nodes, world_size=4)
     assert all(result == results[0] for result in results)
     probe = results[0]
     assert probe["sizes_mib"] == [0.0625, 4.0]
+    not_fitted = probe.get("not_fitted", {})
+    assert set(not_fitted) <= {"intra_node", "inter_node"}, probe
     for link in ("intra_node", "inter_node"):
-        assert sorted(probe[link]) == ["all_gather", "all_reduce", "reduce_scatter"], probe
-        for fit in probe[link].values():
+        fitted = probe.get(link, {})
+        missing = not_fitted.get(link, {})
+        assert sorted([*fitted, *missing]) == ["all_gather", "all_reduce", "reduce_scatter"]
+        for fit in fitted.values():
             assert fit["ranks"] == 2 and fit["busbw_gbps"] > 0 and fit["latency_us"] >= 0
+            assert [size for size, _ in fit["samples"]] == [2**16, 2**22]
+        for reason in missing.values():
+            assert "times do not grow with the message size" in reason
 
 
 def test_counted_flops_agree_with_the_preset_formula() -> None:

@@ -29,10 +29,14 @@ class TimeBudget:
         return self.limit_s is None and self.max_points is None
 
     def fits(self, workload: int) -> bool:
-        """Whether a point of ``workload`` is expected to finish within the budget."""
+        """Whether a point of ``workload`` is expected to finish within the budget.
+
+        The first point always runs (there is no cost to judge it by, and a run that measured
+        nothing would say nothing), however little of the budget is left when it starts.
+        """
         if self.max_points is not None and self._measured >= self.max_points:
             return False
-        if self.limit_s is None:
+        if self.limit_s is None or self._measured == 0:
             return True
         elapsed = time.monotonic() - self._started
         return elapsed + self._cost.get(workload, 0.0) <= self.limit_s

@@ -120,8 +120,10 @@ def probe_links(
 
     Returns:
         ``{"sizes_mib": [...], "intra_node": {kind: fit}, "inter_node": {...}}`` (links with
-        fewer than two ranks left out), the same on every rank; ``None`` at world size 1 or
-        with no sizes.
+        fewer than two ranks left out), plus ``"not_fitted": {link: {kind: reason}}`` for each
+        collective whose times could not be fitted (under load, a small message can take
+        longer than a large one), the same on every rank; ``None`` at world size 1 or with
+        no sizes.
     """
     world = dist.get_world_size()
     if world < 2 or not sizes_mib:
@@ -132,6 +134,7 @@ def probe_links(
     kept = [mib for mib in sizes_mib if all(mib in mine for mine in allowed)]
     sizes = [int(mib * 2**20) for mib in kept]
     out: dict[str, Any] = {"sizes_mib": kept}
+    failures: dict[str, dict[str, str]] = {}
     if local >= world or world % local != 0:
         if local < world:  # nodes of unequal size: no group is one node, none one per node
             logger.warning(
@@ -140,21 +143,29 @@ def probe_links(
                 world,
                 local,
             )
-        out["intra_node"] = _probe_group(device, sizes, None, world)
-        return {key: value for key, value in out.items() if value is not None}
+        out["intra_node"] = _probe_group(device, sizes, None, world, failures, "intra_node")
+        return _probe_result(out, failures)
     nodes = world // local
     intra, groups = dist.new_subgroups(local)  # type: ignore[no-untyped-call]
     inter, more = dist.new_subgroups_by_enumeration(  # type: ignore[no-untyped-call]
         [[node * local + index for node in range(nodes)] for index in range(local)]
     )
     try:
-        out["intra_node"] = _probe_group(device, sizes, intra, local)
-        out["inter_node"] = _probe_group(device, sizes, inter, nodes)
+        out["intra_node"] = _probe_group(device, sizes, intra, local, failures, "intra_node")
+        out["inter_node"] = _probe_group(device, sizes, inter, nodes, failures, "inter_node")
     finally:
         dist.barrier()
         for group in [*groups, *more]:
             dist.destroy_process_group(group)
-    return {key: value for key, value in out.items() if value is not None}
+    return _probe_result(out, failures)
+
+
+def _probe_result(out: dict[str, Any], failures: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """The fitted links, and each collective that was timed but not fitted with its reason."""
+    result = {key: value for key, value in out.items() if value is not None}
+    if failures:
+        result["not_fitted"] = failures
+    return result
 
 
 def _fits(device: torch.device, mib: float) -> bool:
@@ -165,9 +176,18 @@ def _fits(device: torch.device, mib: float) -> bool:
 
 
 def _probe_group(
-    device: torch.device, sizes: Sequence[int], group: dist.ProcessGroup | None, ranks: int
+    device: torch.device,
+    sizes: Sequence[int],
+    group: dist.ProcessGroup | None,
+    ranks: int,
+    failures: dict[str, dict[str, str]],
+    link: str,
 ) -> dict[str, Any] | None:
     """Each collective at each size on ``group``; the slowest rank's median per size, fitted.
+
+    A collective whose times cannot be fitted is logged and recorded in
+    ``failures[link][kind]`` with the reason (the same on every rank: every rank fits the
+    same gathered times).
 
     Every rank runs the same calls on its own group (each node's, or each cross-node one) at
     the same time, lined up by a world barrier: the link as a step uses it, all at once.
@@ -192,6 +212,7 @@ def _probe_group(
             fits[kind] = fit_link(slowest, kind, ranks)
         except ValueError as error:  # noise on a link too fast to time: said, not fitted
             logger.warning("comm probe: %s", error)
+            failures.setdefault(link, {})[kind] = str(error)
     return fits or None
 
 

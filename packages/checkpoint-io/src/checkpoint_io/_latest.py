@@ -17,7 +17,9 @@ from checkpoint_io._safe import read_metadata
 logger = logging.getLogger(__name__)
 
 STEP_PREFIX = "step-"
-_STEP = re.compile(rf"^{STEP_PREFIX}(\d+)$")
+# Only canonical names count: ASCII digits, no leading zero (``step-007`` and ``step-٩٩``
+# are not steps, so they are never chosen, counted or removed).
+_STEP = re.compile(rf"^{STEP_PREFIX}(0|[1-9][0-9]*)$", re.ASCII)
 _PARTIAL = re.compile(rf"^\.{STEP_PREFIX}\d+\.(partial|old)-[0-9a-f]+$")
 
 
@@ -95,14 +97,36 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     return None
 
 
-def prune(root: Path, keep_last: int) -> list[Path]:
-    """Remove the checkpoints older than the newest ``keep_last`` complete ones.
+def prune(root: Path, keep_last: int, published: int) -> list[Path]:
+    """Remove the checkpoints older than the newest ``keep_last`` complete ones up to ``published``.
 
-    Incomplete checkpoints newer than those are left alone. Returns what was removed.
+    ``published`` is the step just published. It is never removed, nor is anything at or
+    above its step: after a roll-back (a save below the newest step, as after a loss spike)
+    the newer checkpoints of the abandoned run are kept, with a warning, and the count of
+    ``keep_last`` runs over the checkpoints at or below ``published`` only. Incomplete
+    checkpoints newer than the oldest kept one are left alone. Returns what was removed.
+
+    Raises:
+        ValueError: If ``keep_last`` is below 1 (the published checkpoint is always kept).
     """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     everything = step_checkpoints(root)
-    complete = [step for step, path in everything if incomplete_reason(path) is None]
-    if len(complete) <= keep_last:
+    newer = [path for step, path in everything if step > published]
+    if newer:
+        logger.warning(
+            "step-%d was saved below the newest checkpoint (a roll-back?): keep_last=%d keeps "
+            "%s and counts only the checkpoints at or below step-%d; remove the newer ones by "
+            "hand once the abandoned run is not needed",
+            published,
+            keep_last,
+            ", ".join(path.name for path in newer),
+            published,
+        )
+    complete = [
+        step for step, path in everything if step <= published and incomplete_reason(path) is None
+    ]
+    if published not in complete or len(complete) <= keep_last:
         return []
     oldest_kept = complete[-keep_last]
     removed = [path for step, path in everything if step < oldest_kept]

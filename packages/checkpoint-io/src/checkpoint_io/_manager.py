@@ -56,7 +56,8 @@ class CheckpointManager:
         root: The directory of the ``step-<N>`` checkpoints (created when first saved).
         every: Save when the step passed to ``maybe_save`` is a multiple of it.
         keep_last: Keep only the newest ``keep_last`` complete checkpoints; older ones are
-            removed once a new one is published. ``None`` keeps all.
+            removed once a new one is published. The one just published, and any at a
+            higher step (a roll-back's abandoned run), are never removed. ``None`` keeps all.
         async_save: Write in the background (:func:`async_save_checkpoint`): training goes on
             once the state is staged in host memory.
         on_sigterm: Install a SIGTERM handler (torchrun and schedulers send SIGTERM before
@@ -144,7 +145,7 @@ class CheckpointManager:
                 stateful,
                 rng=True,
                 overwrite=True,
-                after_publish=self._prune,
+                after_publish=lambda: self._prune(step),
             )
         else:
             save_checkpoint(
@@ -152,7 +153,7 @@ class CheckpointManager:
             )
             self._pending = None
             if rank() == 0:
-                self._prune()
+                self._prune(step)
         if stopping:
             log_rank0(logger, logging.WARNING, "SIGTERM: saved %s; exiting with code 0", path)
             self.close()
@@ -221,9 +222,9 @@ class CheckpointManager:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
 
-    def _prune(self) -> None:
+    def _prune(self, published: int) -> None:
         if self.keep_last is not None:
-            prune(self.root, self.keep_last)
+            prune(self.root, self.keep_last, published)
 
 
 def _handler(manager: CheckpointManager) -> Callable[[int, types.FrameType | None], None]:
