@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.fsdp import FSDPModule
 
 NOT_CALLABLE = 3
@@ -81,3 +84,23 @@ class ReadsValues(UserNet):
         if float(x.detach().abs().sum()) >= 0:
             x = x * 1.0
         return super().forward(x, scale)
+
+
+class DtypeProbe(UserNet):
+    """Records, per forward, its class, whether the output is real, and the output's dtype in
+    ``$BENCH_DTYPE_LOG`` (FSDP2 renames the class of what it wraps: ``FSDPDtypeProbe``)."""
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        out = self.stem(x)
+        path = os.environ.get("BENCH_DTYPE_LOG")
+        if path:
+            with open(path, "a") as log:
+                real = not isinstance(out, FakeTensor) and out.device.type != "meta"
+                log.write(f"{type(self).__name__} {real} {out.dtype}\n")
+        for layer in self.layers:
+            out = torch.relu(layer(out))
+        return out * scale
+
+
+def dtype_probe(width: int = 16, depth: int = 2) -> DtypeProbe:
+    return DtypeProbe(width, depth)

@@ -424,6 +424,26 @@ def test_user_model_end_to_end(
             ["estimate", "--gpu", "H100", "--assumed-mfu", "1.5"],
             "--assumed-mfu must be in (0, 1], got 1.5",
         ),
+        (
+            ["estimate", *USER_MODEL[:2], *USER_MODEL[4:6], "--seq-len", "64"],
+            "--seq-len 64 sets a preset's sequence length, and --model-factory's length is what "
+            "its --input-factory makes; drop --seq-len, make the input factory produce that "
+            "length, and give --tokens-per-sample N for tokens/s",
+        ),
+        (
+            ["estimate", "--tokens-per-sample", "64"],
+            "--tokens-per-sample 64 is for --model-factory; a preset knows its own",
+        ),
+        (
+            ["estimate", *USER_MODEL[:2], *USER_MODEL[4:6], "--tokens-per-sample", "0"],
+            "--tokens-per-sample must be >= 1, got 0",
+        ),
+        (["run", "--grad-accum", "0"], "--grad-accum must be >= 1 (micro-batches per optimizer"),
+        (["estimate", "--grad-accum", "-2"], "--grad-accum must be >= 1"),
+        (
+            ["estimate", "--activation-checkpointing", "some"],
+            "argument --activation-checkpointing: invalid choice: 'some'",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -127,7 +127,7 @@ def test_sweep_rows_budget_and_recommendation(tmp_path: Path) -> None:
     assert points[:5] == [
         ("ddp", {}),  # the baseline comes first
         ("fsdp", {}),
-        ("fsdp", {"activation_checkpointing": True}),
+        ("fsdp", {"activation_checkpointing": "full"}),
         ("ddp", {"compile": True}),
         ("fsdp", {"compile": True}),
     ]

@@ -343,8 +343,15 @@ def test_what_the_step_waits_for_follows_the_overlap_model(
         gathers, scatters = (parts["comm"][f"{kind}@shard"] for kind in PROBE_KINDS[1:])
         units = row["comm_calls_per_step"]["reduce_scatter"]  # every unit trains here
         assert row["comm_calls_per_step"]["all_gather"] == 2 * units  # the root resharded too
-        first_gathers = 2 * gathers / (2 * units)
+        # Each gather its own size's share (the root's first: embedding and head, larger
+        # than a block's): forward's first is the root's, backward's first the last block's.
+        sizes = row["all_gather_bytes_by_call"]
+        assert len(sizes) == 2 * units and sizes[0] > sizes[1]
+        first_gathers = gathers * (sizes[0] + sizes[units]) / sum(sizes)
         assert exposed == pytest.approx(first_gathers + scatters / units, rel=1e-9)
+        average = {**row, "all_gather_bytes_by_call": None}  # without sizes: the average unit
+        flat = predict(average, _model(flops_rate=1e9))["predicted_parts_ms"]["exposed_comm"]
+        assert sum(flat.values()) == pytest.approx(gathers / units + scatters / units, rel=1e-9)
     assert 0 < exposed < comm
     assert slow["predicted_step_ms"] == pytest.approx(parts["compute"] + exposed)
     flat = dataclasses.replace(_model(flops_rate=1e9), overlap=False)

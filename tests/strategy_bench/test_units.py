@@ -203,6 +203,48 @@ def test_block_knobs_change_how_the_step_runs_not_what_it_computes() -> None:
         torch.compiler.reset()
 
 
+def test_selective_checkpointing_keeps_matmuls_and_changes_no_gradient() -> None:
+    """``selective`` (torchtitan's op-level policy): the same gradients, bit for bit, as no
+    checkpointing and ``full``; it keeps more than ``full`` (the matmul and attention outputs)
+    and less than none, and the activation count sees what it keeps."""
+    import copy
+
+    import torch
+
+    from strategy_bench.measure import saved_activation_bytes
+    from strategy_bench.workload import checkpoint_mode, knob_key, prepare_blocks
+
+    tokens = torch.randint(0, 512, (2, 17))
+    plain = _tiny_model()
+    reference = _grads(plain, tokens)
+    kept = {}
+    for mode in ("none", "full", "selective"):
+        model = copy.deepcopy(plain)
+        prepare_blocks(model, {"activation_checkpointing": mode})
+        for got, want in zip(_grads(model, tokens), reference, strict=True):
+            assert torch.equal(got, want), mode
+        with saved_activation_bytes(model) as total:
+            model(tokens[:, :-1])
+        kept[mode] = total[0]
+    assert kept["full"] < kept["selective"] < kept["none"], kept
+    assert checkpoint_mode({"activation_checkpointing": True}) == "full"  # older results
+    assert knob_key({"activation_checkpointing": True}) == (("activation_checkpointing", "full"),)
+    with pytest.raises(Exception, match="must be one of none, full, selective, got 'some'"):
+        checkpoint_mode({"activation_checkpointing": "some"})
+
+
+def test_bf16_autocast_keeps_no_weight_cache() -> None:
+    """bf16 autocast's weight cache held a bf16 copy of every FSDP-gathered weight through the
+    whole forward; the bench's (and the estimate's) bf16 steps run without it."""
+    import torch
+
+    from strategy_bench.measure import autocast
+
+    with autocast("bf16", torch.device("cpu")):
+        assert torch.is_autocast_enabled("cpu")
+        assert not torch.is_autocast_cache_enabled()
+
+
 def test_block_knobs_need_blocks() -> None:
     from torch import nn
 
@@ -328,3 +370,39 @@ def test_checkpoint_columns_carry_median_and_range() -> None:
     once = {k: v for k, v in row.items() if not k.endswith("_all")}
     assert _checkpoint_text(once) == "101 / 133 / 99 / 22, 1 sample"  # an older results file
     assert _checkpoint_text({}) == "-"
+
+
+def test_the_probe_times_a_cuda_collective_without_a_host_sync_inside(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA path's invariant, on a CPU build: each timed call is preceded by a barrier and
+    a device sync, and bracketed by CUDA events with no host sync between them (a sync around
+    an NCCL collective adds about its latency again); one sync at the end reads the events."""
+    import torch
+    import torch.distributed as dist
+
+    from strategy_bench.measure._timing import aligned_seconds
+
+    log: list[str] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+            self.at = 0.0
+
+        def record(self, stream: object = None) -> None:
+            assert stream == "stream of cuda"  # the rank's device's current stream
+            log.append("record")
+            self.at = float(len(log))
+
+        def elapsed_time(self, end: Event) -> float:
+            return (end.at - self.at) * 1e3  # ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"stream of {device}")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append("sync"))
+    monkeypatch.setattr(dist, "barrier", lambda group=None: log.append("barrier"))
+    seconds = aligned_seconds(lambda: log.append("call"), repeats=2, device=torch.device("cuda"))
+    one = ["barrier", "sync", "record", "call", "record"]
+    assert log == [*one, *one, "sync"]
+    assert seconds == [2.0, 2.0]  # two log entries from start to end, in seconds

@@ -12,6 +12,7 @@ from strategy_bench._errors import BenchUsageError
 from strategy_bench.measure import RunOptions
 from strategy_bench.results import read_results
 from strategy_bench.workload import (
+    CHECKPOINT_MODES,
     CPU_DEFAULT_MODELS,
     ESTIMATE_DEFAULT_MODELS,
     GPU_DEFAULT_MODELS,
@@ -45,6 +46,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks to spawn (default: every visible GPU on CUDA, 2 on CPU)",
     )
     add_workload_arguments(parser, default_models="tiny small on CPU, small medium large on CUDA")
+    add_recipe_arguments(parser)
     parser.add_argument("--steps", type=int, default=20, help="timed steps (default 20)")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
     parser.add_argument("--seed", type=int, default=0)
@@ -157,6 +159,79 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, default_models: s
         metavar="package.module:callable",
         help="trainable policy applied to the built model before the wrap",
     )
+    parser.add_argument(
+        "--tokens-per-sample",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens in one sample of --input-factory's batches, for tokens/s (a preset knows "
+        "its own: --seq-len)",
+    )
+
+
+RECIPE_DTYPES = ("fp32", "bf16")
+"""What ``--param-dtype`` and ``--reduce-dtype`` take (strategy-config's spelling)."""
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """The recipe: the names and meanings of strategy-config's ``training.distributed`` keys."""
+    group = parser.add_argument_group(
+        "recipe (each strategy's point gets it; the names of training.distributed's keys)"
+    )
+    group.add_argument(
+        "--param-dtype",
+        choices=RECIPE_DTYPES,
+        default=None,
+        help="FSDP/HSDP: the gathered parameters' dtype (MixedPrecisionPolicy; the reduction "
+        "stays fp32 unless --reduce-dtype); DDP: bf16 autocast over fp32 parameters",
+    )
+    group.add_argument(
+        "--reduce-dtype",
+        choices=RECIPE_DTYPES,
+        default=None,
+        help="FSDP/HSDP: the gradient reduction's dtype (DDP reduces in the parameters')",
+    )
+    group.add_argument(
+        "--activation-checkpointing",
+        nargs="?",
+        const="full",
+        choices=CHECKPOINT_MODES,
+        default=None,
+        help="per block: full (recompute the block; the bare flag), selective (keep matmul and "
+        "attention outputs, recompute the rest; op-level, after torchtitan's policy) or none",
+    )
+    group.add_argument(
+        "--grad-accum",
+        type=int,
+        default=None,
+        metavar="N",
+        help="micro-batches of --batch-size per optimizer step (no_sync on all but the last)",
+    )
+
+
+def recipe_knobs(args: argparse.Namespace) -> dict[str, Any]:
+    """The knobs the recipe arguments set; empty when none differs from the defaults.
+
+    Raises:
+        BenchUsageError: A ``--grad-accum`` below 1.
+    """
+    knobs: dict[str, Any] = {}
+    if args.param_dtype == "bf16":
+        knobs["param_dtype"] = "bf16"
+        knobs["reduce_dtype"] = args.reduce_dtype or "fp32"
+    elif args.reduce_dtype == "bf16":
+        knobs["reduce_dtype"] = "bf16"
+    if args.activation_checkpointing not in (None, "none"):
+        knobs["activation_checkpointing"] = args.activation_checkpointing
+    if args.grad_accum is not None:
+        if args.grad_accum < 1:
+            raise BenchUsageError(
+                f"--grad-accum must be >= 1 (micro-batches per optimizer step), got "
+                f"{args.grad_accum}"
+            )
+        if args.grad_accum > 1:
+            knobs["grad_accum"] = args.grad_accum
+    return knobs
 
 
 def workload_specs(args: argparse.Namespace, device: str) -> list[WorkloadSpec]:
@@ -166,6 +241,20 @@ def workload_specs(args: argparse.Namespace, device: str) -> list[WorkloadSpec]:
         raise BenchUsageError(f"--model-factory and --input-factory go together; add {missing}")
     if (args.init_params or args.trainable) and not args.model_factory:
         raise BenchUsageError("--init-params and --trainable need --model-factory")
+    if args.model_factory and args.seq_len is not None:
+        raise BenchUsageError(
+            f"--seq-len {args.seq_len} sets a preset's sequence length, and --model-factory's "
+            "length is what its --input-factory makes; drop --seq-len, make the input factory "
+            "produce that length, and give --tokens-per-sample N for tokens/s"
+        )
+    tokens = args.tokens_per_sample
+    if tokens is not None and not args.model_factory:
+        raise BenchUsageError(
+            f"--tokens-per-sample {tokens} is for --model-factory; a preset knows its own "
+            "(set it with --seq-len)"
+        )
+    if tokens is not None and tokens < 1:
+        raise BenchUsageError(f"--tokens-per-sample must be >= 1, got {tokens}")
     specs: list[WorkloadSpec] = []
     if args.model_factory:
         load_callable(args.model_factory, argument="--model-factory")
@@ -178,6 +267,7 @@ def workload_specs(args: argparse.Namespace, device: str) -> list[WorkloadSpec]:
             init_params=args.init_params,
             input_factory=args.input_factory,
             trainable=args.trainable,
+            tokens_per_sample=tokens,
         )
         check_workload(spec.build(), args.batch_size)
         specs.append(spec)

@@ -12,7 +12,7 @@ from typing import Any
 from strategy_bench._errors import BenchUsageError
 from strategy_bench.cli._args import read_or_usage_error
 from strategy_bench.estimate import (
-    DEFAULT_ASSUMED_MFU,
+    DATASHEET_MFU,
     DEFAULT_INTER_NODE_GBPS,
     DeviceMemory,
     EstimateOptions,
@@ -40,13 +40,17 @@ def add_time_arguments(parser: argparse.ArgumentParser) -> None:
             "world-size-1 points, links from their comm probe (a run on 2+ ranks)"
         ),
     )
+    defaults = ", ".join(f"{gpu} {mfu:g}" for gpu, (mfu, _) in DATASHEET_MFU.items())
     parser.add_argument(
         "--assumed-mfu",
         type=float,
-        default=DEFAULT_ASSUMED_MFU,
+        default=None,
         metavar="F",
-        help=f"without --calibrate: the share of --gpu's peak a step reaches (default "
-        f"{DEFAULT_ASSUMED_MFU:g})",
+        help="without --calibrate: the model FLOPs utilisation a step reaches on --gpu, as "
+        "published runs report it (model FLOPs per second over the bf16 peak, recompute not "
+        "counted: a checkpointed step is predicted at the same MFU, its recompute inside the "
+        f"figure). Default: the GPU's published figure ({defaults}; sources in "
+        "docs/benchmarks.md)",
     )
     parser.add_argument(
         "--inter-node-gbps",

@@ -17,9 +17,11 @@ import torch.distributed as dist
 
 from strategy_bench._errors import BenchUsageError
 from strategy_bench.cli._args import (
+    add_recipe_arguments,
     add_workload_arguments,
     check_sizes,
     read_or_usage_error,
+    recipe_knobs,
     workload_specs,
 )
 from strategy_bench.cli._estimate_time import accumulated_rows, add_time_arguments, time_model
@@ -69,6 +71,7 @@ logger = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Estimate's arguments: the workload, world sizes, device memory, --largest."""
     add_workload_arguments(parser, default_models="large")
+    add_recipe_arguments(parser)
     parser.add_argument(
         "--world-size",
         type=int,
@@ -90,11 +93,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_GPUS_PER_NODE,
         metavar="N",
         help="ranks per node: HSDP's shard degree, and what stays inside a node (default 8)",
-    )
-    parser.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        help="also estimate each strategy with every block checkpointed",
     )
     parser.add_argument(
         "--jobs",
@@ -185,12 +183,9 @@ def command(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, dtype=args.dtype, gpus_per_node=args.gpus_per_node
     )
     worlds = list(dict.fromkeys(args.world_size))
+    recipe = recipe_knobs(args)
     points = estimate_points(
-        len(specs),
-        args.strategies,
-        worlds,
-        activation_checkpointing=args.activation_checkpointing,
-        gpus_per_node=args.gpus_per_node,
+        len(specs), args.strategies, worlds, recipe=recipe, gpus_per_node=args.gpus_per_node
     )
     jobs = min(args.jobs, len(points))
     sys.stderr.write(
@@ -242,7 +237,7 @@ def command(args: argparse.Namespace) -> int:
         if args.largest:
             assert device is not None and scale_param is not None
             largest = _find_largest(
-                args, specs, base, scale_param, worlds, options, device, jobs, pool
+                args, specs, base, scale_param, worlds, options, device, jobs, pool, recipe
             )
     env = estimate_environment(options, jobs)
     env["seconds"] = time.monotonic() - begin
@@ -329,6 +324,7 @@ def _find_largest(
     device: DeviceMemory,
     jobs: int,
     pool: Executor | None = None,
+    recipe: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """``--largest``: every family's largest model per strategy and world size."""
     sys.stderr.write(
@@ -357,7 +353,7 @@ def _find_largest(
             options,
             device,
             strategies=args.strategies,
-            activation_checkpointing=args.activation_checkpointing,
+            recipe=recipe,
             known=[row for row in rows if row["model"] == name],
             jobs=jobs,
             progress=progress,

@@ -18,6 +18,7 @@ from strategy_bench.cli._args import (
     add_run_arguments,
     check_sizes,
     parse_memory,
+    recipe_knobs,
     workload_specs,
 )
 from strategy_bench.launch import launch, under_torchrun
@@ -39,7 +40,7 @@ from strategy_bench.results import (
     point_key,
     read_results,
 )
-from strategy_bench.workload import step_knobs
+from strategy_bench.workload import recipe_for, step_knobs
 
 logger = logging.getLogger(__name__)
 
@@ -120,11 +121,12 @@ def plan_run(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
     if args.dtype == "bf16" and device == "cuda" and not _cuda_bf16():
         raise BenchUsageError("--dtype bf16 but this GPU does not support bfloat16; use fp32")
     workloads = workload_specs(args, device)
+    recipe = recipe_knobs(args)
     extra: dict[str, Any] = {"command": args.command}
     if args.command == "sweep":
         bf16 = device == "cpu" or _cuda_bf16()
         configs = sweep_configs(
-            len(workloads), bf16, knobs=args.knobs, hsdp=world >= HSDP_MIN_WORLD
+            len(workloads), bf16, knobs=args.knobs, hsdp=world >= HSDP_MIN_WORLD, recipe=recipe
         )
         extra["memory_budget"] = (
             None if args.memory_budget is None else parse_memory(args.memory_budget)
@@ -133,7 +135,7 @@ def plan_run(args: argparse.Namespace) -> tuple[Plan, dict[str, Any]]:
             raise BenchUsageError(f"--max-points must be >= 1, got {args.max_points}")
     else:
         configs = [
-            Config(workload=index, strategy=strategy)
+            Config(workload=index, strategy=strategy, knobs=recipe_for(strategy, recipe))
             for index in range(len(workloads))
             for strategy in _run_strategies(args.strategies, world)
         ]

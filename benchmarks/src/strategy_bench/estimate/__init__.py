@@ -27,6 +27,7 @@ from strategy_bench.estimate._points import (
     estimate_points,
 )
 from strategy_bench.estimate._time_inputs import (
+    DATASHEET_MFU,
     DEFAULT_ASSUMED_MFU,
     DEFAULT_INTER_NODE_GBPS,
     TimeModel,
@@ -40,6 +41,7 @@ __all__ = [
     "AGREEMENT",
     "BUCKET_CAPS_MB",
     "DATASHEET_MEMORY_GIB",
+    "DATASHEET_MFU",
     "DEFAULT_ASSUMED_MFU",
     "DEFAULT_GPUS_PER_NODE",
     "DEFAULT_INTER_NODE_GBPS",

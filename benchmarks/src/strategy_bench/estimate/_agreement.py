@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from strategy_bench.results import ok_rows
+from strategy_bench.workload import knob_key
 
 AGREEMENT = {"static": 0.05, "activation": 0.20, "comm": 0.01, "peak": 0.10}
 """How close an estimate must be to ``run``'s measurement (relative): static bytes
@@ -70,7 +71,7 @@ def step_errors(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
 
 
 def _match_key(row: Mapping[str, Any]) -> tuple[Any, ...]:
-    knobs = tuple(sorted(dict(row.get("knobs", {})).items()))
+    knobs = knob_key(row.get("knobs") or {})
     return (
         row["model"],
         row["strategy"],

@@ -46,6 +46,7 @@ from strategy_bench.results import FAILED, MEMORY_KINDS, OK, host_environment
 from strategy_bench.workload import (
     Workload,
     WorkloadSpec,
+    compute_dtype,
     micro_steps,
     prepare_blocks,
     training_optimizer,
@@ -82,6 +83,7 @@ def estimate_point(
         "world_size": point.world_size,
         "batch_size": options.batch_size * micro_steps(point.knobs),
         "dtype": options.dtype,
+        "tokens_per_sample": workload.tokens_per_sample,
     }
     try:
         row = _step(workload, point, options, comm=comm)
@@ -120,7 +122,7 @@ def _step(
                 workload.make_batch(options.batch_size, _CPU, generator)
                 for _ in range(micro_steps(point.knobs))
             ]
-            compute = autocast(options.dtype, _CPU)
+            compute = autocast(compute_dtype(point.strategy, point.knobs, options.dtype), _CPU)
             out = account(
                 model,
                 twins.optimizer,

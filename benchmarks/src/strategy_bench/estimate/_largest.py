@@ -24,7 +24,12 @@ import torch.distributed as dist
 from strategy_bench._errors import BenchUsageError
 from strategy_bench.estimate._estimate import estimate_point, spawn_pool
 from strategy_bench.estimate._fits import DeviceMemory
-from strategy_bench.estimate._points import EstimateOptions, EstimatePoint, spans_nodes
+from strategy_bench.estimate._points import (
+    EstimateOptions,
+    EstimatePoint,
+    recipe_variants,
+    spans_nodes,
+)
 from strategy_bench.results import OK
 from strategy_bench.workload import WorkloadSpec
 
@@ -40,13 +45,8 @@ LARGEST_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("fsdp", {"param_dtype": "bf16", "reduce_dtype": "fp32"}),
 )
 """The lines of ``--largest``: each strategy at its defaults (HSDP where the world spans more
-than one node), and FSDP with bf16 parameters; ``--activation-checkpointing`` adds DDP and FSDP
-with every block checkpointed."""
-
-CHECKPOINTED_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("ddp", {"activation_checkpointing": True}),
-    ("fsdp", {"activation_checkpointing": True}),
-)
+than one node), and FSDP with bf16 parameters; with a recipe, each strategy with the recipe's
+knobs instead (:func:`recipe_variants`)."""
 
 MAX_SCALE = 1 << 16
 """The search stops growing the scaled parameter here (reported as "at least")."""
@@ -92,7 +92,7 @@ def largest_lines(
     device: DeviceMemory,
     *,
     strategies: Sequence[str] = ("ddp", "fsdp", "hsdp"),
-    activation_checkpointing: bool = False,
+    recipe: Mapping[str, Any] | None = None,
     known: Sequence[Mapping[str, Any]] = (),
     jobs: int = 1,
     progress: Callable[[dict[str, Any]], None] | None = None,
@@ -114,7 +114,7 @@ def largest_lines(
         :data:`MAX_SCALE`) and ``probes`` (fake steps taken).
     """
     start = scale_start(spec, param)
-    variants = LARGEST_VARIANTS + (CHECKPOINTED_VARIANTS if activation_checkpointing else ())
+    variants = recipe_variants(recipe, LARGEST_VARIANTS)
     seeds = {_line_key(row["strategy"], row["knobs"], row["world_size"]): row for row in known}
     # (variant, world) -> the line searched for it (DDP: one line for every world size).
     searched: dict[tuple[Any, ...], EstimatePoint] = {}

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from strategy_bench.workload import recipe_for
 
 DEFAULT_WORLD_SIZES = (2, 8, 64, 512)
 
@@ -19,12 +21,6 @@ VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
 more than one node), then FSDP's two knobs that change memory and communication the most."""
 
 DEFAULT_GPUS_PER_NODE = 8
-
-CHECKPOINTED: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("ddp", {"activation_checkpointing": True}),
-    ("fsdp", {"activation_checkpointing": True}),
-)
-"""Added by ``--activation-checkpointing``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +54,27 @@ def spans_nodes(world: int, gpus_per_node: int) -> bool:
     return world > gpus_per_node and world % gpus_per_node == 0
 
 
+def recipe_variants(
+    recipe: Mapping[str, Any] | None,
+    defaults: Sequence[tuple[str, dict[str, Any]]] = VARIANTS,
+) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """The ``(strategy, knobs)`` an estimate steps.
+
+    With a recipe (``--param-dtype``, ``--reduce-dtype``, ``--activation-checkpointing``,
+    ``--grad-accum``): each strategy with that recipe's knobs (:func:`recipe_for`: DDP takes
+    no ``reduce_dtype``). Without one: ``defaults``.
+    """
+    if not recipe:
+        return tuple(defaults)
+    return tuple((strategy, recipe_for(strategy, recipe)) for strategy in ("ddp", "fsdp", "hsdp"))
+
+
 def estimate_points(
     workloads: int,
     strategies: Sequence[str],
     world_sizes: Sequence[int],
     *,
-    activation_checkpointing: bool = False,
+    recipe: Mapping[str, Any] | None = None,
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
 ) -> list[EstimatePoint]:
     """Every point of an estimate, world sizes innermost.
@@ -71,11 +82,10 @@ def estimate_points(
     HSDP points only where the world spans whole nodes, more than one
     (``world % gpus_per_node == 0`` and ``world > gpus_per_node``).
     """
-    variants = VARIANTS + (CHECKPOINTED if activation_checkpointing else ())
     return [
         EstimatePoint(index, strategy, dict(knobs), world)
         for index in range(workloads)
-        for strategy, knobs in variants
+        for strategy, knobs in recipe_variants(recipe)
         if strategy in strategies
         for world in world_sizes
         if strategy != "hsdp" or spans_nodes(world, gpus_per_node)

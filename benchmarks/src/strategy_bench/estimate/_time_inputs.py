@@ -14,12 +14,48 @@ from typing import Any
 
 from strategy_bench._errors import BenchUsageError
 from strategy_bench.measure import PROBE_KINDS, datasheet_peak
+from strategy_bench.workload import checkpoint_mode, knob_key
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ASSUMED_MFU = 0.4
-"""The share of the datasheet peak a step computes at when nothing was measured: 35-45% is
-what well-tuned dense transformer training reaches on H100s (bf16, large batches)."""
+"""The MFU assumed for a GPU without a published record (:data:`DATASHEET_MFU`)."""
+
+DATASHEET_MFU: dict[str, tuple[float, str]] = {
+    "B200": (
+        DEFAULT_ASSUMED_MFU,
+        "no published bf16 FSDP MFU found for B200; H100's figure assumed",
+    ),
+    "H200": (
+        0.44,
+        "KempnerForge benchmarks/mfu_scaling: 13B, FSDP over 8 H200, 44.4% MFU",
+    ),
+    "H100": (
+        0.40,
+        "LLM Foundry scripts/train/benchmarking/README.md, H100: MPT-7B/13B/70B FSDP "
+        "39.6-46.4% MFU; torchtitan docs/performance.md: Llama 3.1 8B FSDP 33-39%",
+    ),
+    "A100-80GB": (
+        0.55,
+        "LLM Foundry scripts/train/benchmarking/README.md, A100-80GB: MPT-7B/13B/70B FSDP "
+        "53-64% MFU; torchtitan docs/performance.md: Llama 2/3 on 64 A100s 50.5-58.2%",
+    ),
+    "A100-40GB": (
+        0.55,
+        "as A100-80GB (the same chip): LLM Foundry and torchtitan, 50.5-64% MFU",
+    ),
+    "L40S": (DEFAULT_ASSUMED_MFU, "no published FSDP MFU found for L40S; assumed"),
+    "A10G": (DEFAULT_ASSUMED_MFU, "no published FSDP MFU found for A10G; assumed"),
+    "L4": (DEFAULT_ASSUMED_MFU, "no published FSDP MFU found for L4; assumed"),
+}
+"""The MFU a step reaches per GPU type when nothing was measured, and its published source.
+
+MFU as these sources publish it: the step's model FLOPs (forward and backward, no
+recompute) per second over the dense bf16 peak. Published runs report it alike with and
+without activation checkpointing (LLM Foundry's 13B on H100: 39.8% without, 41-42% with,
+whose hardware utilisation is 55%): the recompute's cost is inside the figure. So on the
+datasheet path a checkpointed step is predicted at the same MFU as one without.
+"""
 
 DEFAULT_INTER_NODE_GBPS = 400.0
 """Network bandwidth per GPU across nodes, Gb/s: one 400 Gb/s NIC per GPU (InfiniBand NDR or
@@ -62,7 +98,8 @@ class TimeModel:
         links: ``{"intra_node" | "inter_node": {collective: {"latency_us", "busbw_gbps"}}}``.
         points: Calibrated world-size-1 rows by :func:`point_key` (``step_ms_median``,
             ``optimizer_ms``).
-        models: Calibrated unwrapped steps by ``(model, dtype, param_dtype, checkpointed)``:
+        models: Calibrated unwrapped steps by ``(model, dtype, param_dtype, checkpointing)``
+            (``checkpointing``: ``"full"``, ``"selective"`` or ``None``):
             ``ms_per_sample`` (without the optimizer) and ``optimizer_ms``.
         flops_rate: FLOP/s per rank for models not calibrated (``None``: unknown).
         peak_flops: The MFU denominator per rank (``None``: no peak known).
@@ -107,7 +144,7 @@ class TimeModel:
 
 def point_key(row: Mapping[str, Any]) -> tuple[Any, ...]:
     """A point without its world size: model, strategy, knobs, batch per rank, dtype."""
-    knobs = tuple(sorted(dict(row.get("knobs") or {}).items()))
+    knobs = knob_key(row.get("knobs") or {})
     return row["model"], row["strategy"], knobs, row.get("batch_size"), row.get("dtype")
 
 
@@ -115,15 +152,22 @@ def _uniform(latency_us: float, busbw_gbps: float) -> dict[str, dict[str, float]
     return {kind: {"latency_us": latency_us, "busbw_gbps": busbw_gbps} for kind in PROBE_KINDS}
 
 
+def default_mfu(gpu: str) -> tuple[float, str]:
+    """The MFU assumed for ``gpu`` (a :data:`DATASHEET_MFU` name) and its source."""
+    return DATASHEET_MFU.get(gpu, (DEFAULT_ASSUMED_MFU, f"no published MFU for {gpu}; assumed"))
+
+
 def datasheet_model(
     gpu: str | None,
     dtype: str,
     *,
-    assumed_mfu: float,
+    assumed_mfu: float | None,
     inter_node_gbps: float | None,
     gpus_per_node: int,
 ) -> TimeModel | None:
     """The time model from datasheets: ``None`` without a known ``--gpu``.
+
+    ``assumed_mfu``: ``None`` takes the GPU's published figure (:func:`default_mfu`).
 
     Raises:
         BenchUsageError: An ``assumed_mfu`` outside (0, 1], or a GPU whose peak in ``dtype``
@@ -131,7 +175,12 @@ def datasheet_model(
     """
     if gpu is None:
         return None
-    _check_mfu(assumed_mfu)
+    if assumed_mfu is None:
+        assumed_mfu, mfu_source = default_mfu(gpu)
+        mfu_text = f"MFU {assumed_mfu:g} (the {gpu} default: {mfu_source})"
+    else:
+        _check_mfu(assumed_mfu)
+        mfu_text = f"--assumed-mfu {assumed_mfu:g}"
     found = datasheet_peak(gpu, dtype)
     if found is None:
         logger.warning(
@@ -160,7 +209,8 @@ def datasheet_model(
         optimizer_bytes_per_s=memory,
         gpus_per_node=gpus_per_node,
         sources={
-            "compute": f"{peak_source} x --assumed-mfu {assumed_mfu:g}",
+            "compute": f"{peak_source} x {mfu_text}; MFU counts no recompute, so a "
+            "checkpointed step is predicted at the same MFU (published runs report it alike)",
             "optimizer": f"AdamW's 28 bytes per parameter (over the shard) at {gpu}'s "
             f"{DATASHEET_HBM_GBS[gpu]:g} GB/s of memory bandwidth (datasheet)",
             "intra_node": f"datasheet: {gpu} {intra:g} GB/s per GPU each way, "
@@ -170,12 +220,19 @@ def datasheet_model(
     )
 
 
+NODE_SPANNING_RULE = (
+    "a group that spans nodes gets bus bandwidth min(intra-node, its ranks per node x the "
+    "per-GPU figure): a NCCL ring over whole nodes spreads its channels over every NIC of the "
+    "node; HSDP's replicate groups (one rank per node) get one NIC's"
+)
+
+
 def _inter_source(inter_node_gbps: float | None) -> str:
     given = "--inter-node-gbps" if inter_node_gbps is not None else "default"
     gbps = DEFAULT_INTER_NODE_GBPS if inter_node_gbps is None else inter_node_gbps
     return (
         f"{given}: {gbps:g} Gb/s per GPU, {DEFAULT_LATENCY_US['inter_node']:g} us per "
-        "collective (assumed)"
+        f"collective (assumed); {NODE_SPANNING_RULE}"
     )
 
 
@@ -231,7 +288,7 @@ def calibrated_model(
         if row["world_size"] == 1:  # the whole step, with no one to talk to
             step = {"step_ms": float(row["step_ms_median"]), "optimizer_ms": optimizer}
             points.setdefault(point_key(row), step)
-        checkpointed = bool(row["knobs"].get("activation_checkpointing"))
+        checkpointed = checkpoint_mode(row["knobs"])
         per_sample = (float(row["compute_ms"]) - optimizer) / row["batch_size"]
         param_dtype = row["knobs"].get("param_dtype") or "fp32"
         key = (row["model"], row.get("dtype"), param_dtype, checkpointed)
@@ -260,7 +317,7 @@ def calibrated_model(
         sources["inter_node"] = _inter_source(inter_node_gbps)
     elif probe.get("inter_node"):
         links["inter_node"] = _links(probe["inter_node"])
-        sources["inter_node"] = "calibration: comm_probe across nodes"
+        sources["inter_node"] = f"calibration: comm_probe across nodes; {NODE_SPANNING_RULE}"
     else:
         links["inter_node"] = links["intra_node"]
         sources["inter_node"] = (

@@ -34,7 +34,7 @@ from typing import Any
 
 from strategy_bench.estimate._time_inputs import TimeModel, point_key
 from strategy_bench.measure import collective_seconds
-from strategy_bench.workload import micro_steps
+from strategy_bench.workload import checkpoint_mode, micro_steps
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 """torch's DDP ``bucket_cap_mb`` default."""
@@ -51,22 +51,52 @@ FORWARD_SHARE = 1 / 3
 
 @dataclasses.dataclass(frozen=True)
 class _Group:
+    """A mesh dimension's group: its ranks, its link, and its fewest ranks on one node."""
+
     ranks: int
     scope: str
+    per_node: int = 1
 
 
 def _groups(strategy: str, world: int, gpus_per_node: int) -> dict[str, _Group]:
     """Each mesh dimension's group size and link (HSDP shards within a node)."""
-    whole = _Group(world, "intra_node" if world <= gpus_per_node else "inter_node")
+    if world <= gpus_per_node:
+        whole = _Group(world, "intra_node", world)
+    else:  # the node with the fewest of the group's ranks sets the ring's pace
+        whole = _Group(world, "inter_node", world % gpus_per_node or gpus_per_node)
     if strategy == "hsdp":
         shard = min(gpus_per_node, world)
         replicate = max(1, world // shard)
         return {
             "world": whole,
-            "shard": _Group(shard, "intra_node"),
-            "replicate": _Group(replicate, "inter_node" if replicate > 1 else "intra_node"),
+            "shard": _Group(shard, "intra_node", shard),
+            "replicate": _Group(replicate, "inter_node" if replicate > 1 else "intra_node", 1),
         }
     return {"world": whole, "shard": whole, "replicate": whole}
+
+
+def _link(model: TimeModel, group: _Group, kind: str) -> dict[str, float]:
+    """The link a collective of ``kind`` runs over in ``group``.
+
+    Inside a node: the intra-node fit. Across nodes: the inter-node latency, and bus bandwidth
+    ``min(intra-node, ranks of the group per node x the inter-node figure)``. The inter-node
+    figure is one rank's share of the network (a NIC per GPU); a NCCL ring over whole nodes
+    spreads its channels over every NIC of the node (NVIDIA/nccl issues 687 and 1576), so a
+    group with ``k`` ranks on each node moves ``k`` NICs' worth, up to what NVLink carries.
+    HSDP's replicate groups (one rank per node) get one NIC's.
+    """
+    intra = _fit(model.links["intra_node"], kind)
+    if group.scope == "intra_node":
+        return intra
+    inter = _fit(model.links["inter_node"], kind)
+    busbw = min(float(intra["busbw_gbps"]), group.per_node * float(inter["busbw_gbps"]))
+    return {"latency_us": float(inter["latency_us"]), "busbw_gbps": busbw}
+
+
+def _fit(fitted: Mapping[str, Mapping[str, float]], kind: str) -> dict[str, float]:
+    """``kind``'s fit; a collective the probe could not fit takes another's."""
+    link = fitted.get(kind) or fitted.get("all_reduce") or next(iter(fitted.values()))
+    return {"latency_us": float(link["latency_us"]), "busbw_gbps": float(link["busbw_gbps"])}
 
 
 def annotate_time(rows: Sequence[dict[str, Any]], model: TimeModel) -> None:
@@ -111,7 +141,7 @@ def predict(
         return {key: None for key in PREDICTED}
     per_micro = max(0.0, compute - optimizer) / micro
     share = FORWARD_SHARE
-    if knobs.get("activation_checkpointing"):  # the forward again, inside backward
+    if checkpoint_mode(knobs) == "full":  # the forward again, inside backward
         share = FORWARD_SHARE / (1 + FORWARD_SHARE)
     forward, backward = per_micro * share, per_micro * (1 - share)
     groups = _groups(strategy, world, model.gpus_per_node)
@@ -124,8 +154,7 @@ def predict(
         for kind, nbytes in kinds.items():
             if group.ranks <= 1 or nbytes <= 0:
                 continue
-            fitted = model.links[group.scope]  # a collective the probe could not fit: another's
-            link = fitted.get(kind) or fitted.get("all_reduce") or next(iter(fitted.values()))
+            link = _link(model, group, kind)
             latency = float(link["latency_us"]) * 1e-3
             transfer = collective_seconds(link, kind, nbytes, group.ranks) * 1e3 - latency
             count = _calls(strategy, kind, nbytes, calls, knobs, bucket_cap_mb)
@@ -139,7 +168,8 @@ def predict(
     elif strategy == "ddp":
         hidden_total = last_bucket + max(0.0, total - last_bucket - backward)
     else:
-        hidden_total = _fsdp_exposed(comm, calls, knobs, forward, backward, micro)
+        sizes = [int(size) for size in row.get("all_gather_bytes_by_call") or ()]
+        hidden_total = _fsdp_exposed(comm, calls, knobs, forward, backward, micro, sizes)
     # What the step waits for, by collective and mesh dimension (each its share of the total).
     exposed = {key: hidden_total * value / total for key, value in comm.items()} if total else {}
     step = compute + hidden_total
@@ -150,6 +180,7 @@ def predict(
     mfu = None
     if flops and peak:
         mfu = flops * samples / (step / 1e3) / peak
+    tokens = row.get("tokens_per_sample")
     return {
         "predicted_step_ms": step,
         "predicted_parts_ms": {
@@ -160,11 +191,18 @@ def predict(
             "exposed_comm": exposed,
         },
         "predicted_samples_per_s": samples * world / (step / 1e3),
+        "predicted_tokens_per_s_per_gpu": samples * tokens / (step / 1e3) if tokens else None,
         "predicted_mfu": mfu,
     }
 
 
-PREDICTED = ("predicted_step_ms", "predicted_parts_ms", "predicted_samples_per_s", "predicted_mfu")
+PREDICTED = (
+    "predicted_step_ms",
+    "predicted_parts_ms",
+    "predicted_samples_per_s",
+    "predicted_tokens_per_s_per_gpu",
+    "predicted_mfu",
+)
 """The fields :func:`predict` adds (all ``None`` for a row with nothing to predict from)."""
 
 
@@ -204,13 +242,18 @@ def _fsdp_exposed(
     forward: float,
     backward: float,
     micro: int,
+    sizes: Sequence[int] = (),
 ) -> float:
     """Unit by unit: gathers one unit ahead, reduce-scatters (and replica all-reduces) behind.
 
     The units are the all-gathers of a micro-step (halved with ``reshard_after_forward``,
-    rounded up: a root that stays gathered after forward is gathered once). A micro-step's
-    first gather has nothing to hide behind, in forward, and in backward when every unit was
-    resharded (twice as many gathers as units).
+    rounded up: a root that stays gathered after forward is gathered once). Each gather takes
+    its share of the gather time by its own size (``sizes``: the fake step's all-gathers in
+    the order issued; the root's first, and a Llama's root, embedding and head, is ~5 blocks);
+    without them, every gather is the average one. Forward: the first gather has nothing to
+    hide behind, each next one hides behind the unit before. Backward, when every unit was
+    resharded (twice as many gathers as units): the same, in reverse order, each also carrying
+    the reduce-scatter (and replica all-reduce) of the unit before on the last micro-step.
     """
     gathers = sum(v for k, v in comm.items() if k.startswith("all_gather"))
     scatters = sum(v for k, v in comm.items() if k.startswith("reduce_scatter"))
@@ -220,15 +263,23 @@ def _fsdp_exposed(
     reshard = knobs.get("reshard_after_forward", True) is not False
     gather_calls = max(1, int(calls.get("all_gather") or 1) // micro)
     units = max(1, math.ceil(gather_calls / 2) if reshard else gather_calls)
-    per_unit_gather = gathers / micro / gather_calls  # one all-gather, on average
-    g_f = per_unit_gather
-    g_b = per_unit_gather if reshard else 0.0
-    first_backward = g_b if reshard and gather_calls == 2 * units else 0.0
+    per_micro = gathers / micro
+    mine = list(sizes[:gather_calls])
+    if len(mine) == gather_calls and sum(mine) > 0:
+        times = [per_micro * size / sum(mine) for size in mine]
+    else:
+        times = [per_micro / gather_calls] * gather_calls
+    fwd_gathers = times[:units]
+    bwd_gathers = times[units:] if reshard else []
     unit_fwd, unit_bwd = forward / units, backward / units
     r_s, a_r = scatters / units, reduces / units  # the last micro-step only
-    exposed_fwd = g_f + (units - 1) * max(0.0, g_f - unit_fwd)
-    last = first_backward + (units - 1) * max(0.0, g_b + r_s + a_r - unit_bwd) + r_s + a_r
-    early = first_backward + (units - 1) * max(0.0, g_b - unit_bwd)  # no reduction
+    exposed_fwd = fwd_gathers[0] + sum(max(0.0, g - unit_fwd) for g in fwd_gathers[1:])
+    # Backward: units in reverse; a unit that was not regathered (the root) waits for none.
+    first_backward = bwd_gathers[0] if len(bwd_gathers) == units else 0.0
+    rest = bwd_gathers[1:] if first_backward else bwd_gathers
+    rest = rest + [0.0] * (units - 1 - len(rest))
+    last = first_backward + sum(max(0.0, g + r_s + a_r - unit_bwd) for g in rest) + r_s + a_r
+    early = first_backward + sum(max(0.0, g - unit_bwd) for g in rest)  # no reduction
     return micro * exposed_fwd + last + (micro - 1) * early
 
 
@@ -254,18 +305,18 @@ def _compute_ms(
         optimizer = calibrated["optimizer_ms"] / shard
         compute = calibrated["step_ms"] - calibrated["optimizer_ms"] + optimizer
         return compute, optimizer, "calibration: this point at world size 1", peak
-    checkpointed = bool(knobs.get("activation_checkpointing"))
+    mode = checkpoint_mode(knobs)
     samples = float(row["batch_size"])
     params = (knobs.get("param_dtype") or "fp32",)
-    for ckpt in (checkpointed, False):
+    for ckpt in dict.fromkeys((mode, None)):
         for param_dtype in (*params, "fp32")[: 1 if params[0] == "fp32" else 2]:
             found = model.models.get((row["model"], row.get("dtype"), param_dtype, ckpt))
             if found is None:
                 continue
             optimizer = found["optimizer_ms"] / shard
             work = found["ms_per_sample"] * samples
-            if checkpointed and not ckpt:
-                work *= 1 + FORWARD_SHARE  # the forward again
+            if mode == "full" and ckpt is None:
+                work *= 1 + FORWARD_SHARE  # the forward again (selective: matmuls kept)
             source = "calibration: this model's compute_ms"
             if param_dtype != params[0]:
                 source += f" in {param_dtype} (none measured in {params[0]})"
@@ -277,8 +328,8 @@ def _compute_ms(
     if model.bf16_rate and bf16:
         rate = model.bf16_rate
     work = flops * samples / rate * 1e3
-    if checkpointed:
-        work *= 1 + FORWARD_SHARE
+    if mode == "full" and model.calibrated:  # a measured rate has no recompute in it; a
+        work *= 1 + FORWARD_SHARE  # published MFU has (DATASHEET_MFU)
     optimizer = 0.0
     if model.optimizer_bytes_per_s:  # AdamW streams ~28 bytes per fp32 parameter
         optimizer = ADAMW_BYTES_PER_PARAM * float(row.get("params") or 0) / shard

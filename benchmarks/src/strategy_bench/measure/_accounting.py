@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_leaves
 from distributed_strategy import DTYPE_NAMES, no_sync, torch_dtype
 from strategy_bench._compat import collective_group, fsdp_gather_outputs, storage_key
 from strategy_bench.measure._tracker import LiveTensors
+from strategy_bench.workload import selective_kept
 
 # c10d ops (what DDP's reducer and FSDP2 call) by the collective they are, and which
 # argument holds the data that the collective moves per rank: an all-gather's output, a
@@ -44,7 +45,8 @@ class CommBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     A dispatch mode sees the c10d ops that DDP's reducer and FSDP2 issue, also from
     backward. ``bytes`` maps ``all_reduce`` / ``all_gather`` / ``reduce_scatter`` /
-    ``broadcast`` to bytes; ``calls`` to the number of collectives; ``by_group`` the same
+    ``broadcast`` to bytes; ``calls`` to the number of collectives; ``gathers`` each
+    all-gather's bytes in the order issued (FSDP's units: the root's first); ``by_group`` the same
     bytes per process group (HSDP's shard and replicate groups; ``None`` when the op names
     none); ``by_dtype`` the same bytes by the dtype that travelled (:func:`dtype_name`), so
     that a bf16 all-gather that still moves fp32 shows.
@@ -56,6 +58,7 @@ class CommBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.calls: dict[str, int] = defaultdict(int)
         self.by_group: dict[dist.ProcessGroup | None, dict[str, int]] = {}
         self.by_dtype: dict[str, dict[str, int]] = {}
+        self.gathers: list[int] = []
 
     def __torch_dispatch__(
         self,
@@ -74,6 +77,8 @@ class CommBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 size = _nbytes(data)
                 self.bytes[name] += size
                 self.calls[name] += 1
+                if name == "all_gather":
+                    self.gathers.append(size)
                 group = self.by_group.setdefault(collective_group(func, args), {})
                 group[name] = group.get(name, 0) + size
                 dtypes = self.by_dtype.setdefault(name, {})
@@ -188,14 +193,23 @@ def saved_activation_bytes(model: nn.Module) -> Iterator[list[int]]:
                 total[0] += tensor.untyped_storage().nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+    with selective_kept() as kept, hooks:
         yield total
+    for tensor in kept:  # selective checkpointing's kept matmul and attention outputs
+        pack(tensor)
 
 
 def autocast(dtype: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    """The step's compute dtype: ``"bf16"`` is bf16 autocast (fp32 master weights)."""
+    """The step's compute dtype: ``"bf16"`` is bf16 autocast (fp32 master weights).
+
+    Without autocast's weight cache: with it, the bf16 cast of every fp32 leaf weight (FSDP2's
+    gathered parameters included) lives until the context exits, so at the end of the
+    forward every rank held the whole model in bf16, checkpointed or not (Llama 2 70B on 64
+    ranks with full checkpointing: 170 GiB against 51 GiB). Each forward casts again instead.
+    """
     if dtype == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
     return contextlib.nullcontext()
 
 
@@ -314,6 +328,7 @@ def account(
         "ddp_bucket_bytes": buckets,
         "comm_bytes_per_step": dict(comm.bytes),
         "comm_calls_per_step": dict(comm.calls),
+        "all_gather_bytes_by_call": list(comm.gathers),
         "comm_bytes_by_dim": bytes_by_dim(model, comm.by_group),
         "comm_bytes_by_dtype": {kind: dict(sizes) for kind, sizes in comm.by_dtype.items()},
         "comm_groups": group_ranks(model, comm.by_group),

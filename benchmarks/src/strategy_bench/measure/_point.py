@@ -30,6 +30,7 @@ from strategy_bench.measure._options import RunOptions
 from strategy_bench.measure._timing import local_ms, time_steps, timed_ms
 from strategy_bench.workload import (
     Workload,
+    compute_dtype,
     micro_steps,
     needs_compiler,
     prepare_blocks,
@@ -222,7 +223,7 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     micro = micro_steps(point.knobs)
-    compute = autocast(options.dtype, device)
+    compute = autocast(compute_dtype(point.strategy, point.knobs, options.dtype), device)
     out.update(_compute_only(point, model))
     wrapped = _wrappers.ours(point.strategy, model, device, point.knobs)
     optimizer = training_optimizer(wrapped.parameters())
@@ -323,7 +324,8 @@ def _time_unwrapped(point: _Point, replica: nn.Module) -> dict[str, float | None
     optimizer = training_optimizer(replica.parameters())
     cycle = itertools.cycle(_batches(point))
     micro = micro_steps(point.knobs)
-    compute = autocast(options.dtype, device)
+    # The point's own compute dtype: a bf16-parameter point's FSDP step computes in bf16.
+    compute = autocast(compute_dtype(None, point.knobs, options.dtype), device)
 
     def backward() -> None:
         accumulate(replica, point.workload.loss, [next(cycle) for _ in range(micro)], compute)

@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from strategy_bench._compat import all_gather_single, reduce_scatter_single
-from strategy_bench.measure._timing import synchronize
+from strategy_bench.measure._timing import aligned_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -231,13 +230,8 @@ def _time_size(
     out = {}
     for kind, call in calls.items():
         call()  # untimed: the first call of a size sets up its buffers
-        spent = []
-        for _ in range(_REPEATS):
-            dist.barrier()  # every group's call at once: they share the host and the network
-            synchronize(device)
-            begin = time.perf_counter()
-            call()
-            synchronize(device)
-            spent.append(time.perf_counter() - begin)
+        # Every group's call at once (they share the host and the network); on CUDA timed
+        # by events, with no host sync inside.
+        spent = aligned_seconds(call, repeats=_REPEATS, device=device)
         out[kind] = (numel * 4, statistics.median(spent))
     return out

@@ -72,6 +72,39 @@ def time_steps(
     return times
 
 
+def aligned_seconds(
+    call: Callable[[], object], *, repeats: int, device: torch.device
+) -> list[float]:
+    """``call``'s seconds on this rank, ``repeats`` times, every rank starting each together.
+
+    Before each call, a world barrier and (CUDA) a device sync, outside the timed region. On
+    CUDA the call is timed with CUDA events, so no host sync sits inside it (one around an
+    NCCL collective adds about its own latency again); elsewhere with the host clock (gloo's
+    calls return when they are done).
+    """
+    if device.type == "cuda":
+        events = []
+        stream = torch.cuda.current_stream(device)  # what a blocking NCCL call runs on or joins
+        for _ in range(repeats):
+            dist.barrier()
+            torch.cuda.synchronize(device)
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record(stream)
+            call()
+            end.record(stream)
+            events.append((start, end))
+        torch.cuda.synchronize(device)
+        return [float(start.elapsed_time(end)) / 1e3 for start, end in events]
+    spent = []
+    for _ in range(repeats):
+        dist.barrier()
+        begin = time.perf_counter()
+        call()
+        spent.append(time.perf_counter() - begin)
+    return spent
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (CUDA); nothing elsewhere."""
     if device.type == "cuda":

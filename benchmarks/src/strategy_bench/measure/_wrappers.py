@@ -25,7 +25,7 @@ from distributed_strategy import (
     wrap_module_fsdp,
 )
 from strategy_bench._errors import BenchUsageError
-from strategy_bench.workload import wrap_knobs
+from strategy_bench.workload import ddp_wrap_knobs, wrap_knobs
 
 STRATEGIES = tuple(sorted(SUPPORTED_DISTRIBUTED_STRATEGIES))
 """What ``--strategies`` takes: DDP, FSDP, and HSDP (FSDP over a 2-D mesh, see
@@ -120,7 +120,7 @@ def raw(
 
 
 def _ddp_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
-    return {"broadcast_buffers": False, **knobs}
+    return {"broadcast_buffers": False, **ddp_wrap_knobs(knobs)}
 
 
 _MESHES: dict[tuple[Any, str, tuple[int, ...]], DeviceMesh] = {}

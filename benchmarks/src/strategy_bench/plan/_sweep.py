@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from strategy_bench._errors import BenchUsageError
 from strategy_bench.plan._plan import Config
+from strategy_bench.workload import knob_key, recipe_for
 
 DDP_BUCKETS_MB = (1, 25, 100)
 GRAD_ACCUM = 4
@@ -31,12 +32,12 @@ def sweep_points(bf16: bool, hsdp: bool = False) -> list[tuple[str, dict[str, An
     if bf16:
         points.append(("fsdp", {"param_dtype": "bf16", "reduce_dtype": "fp32"}))
     points += [
-        ("fsdp", {"activation_checkpointing": True}),
+        ("fsdp", {"activation_checkpointing": "full"}),
         ("ddp", {"compile": True}),
         ("fsdp", {"compile": True}),
         ("ddp", {"grad_accum": GRAD_ACCUM}),
         ("fsdp", {"grad_accum": GRAD_ACCUM}),
-        ("ddp", {"activation_checkpointing": True}),
+        ("ddp", {"activation_checkpointing": "full"}),
         ("ddp", {"gradient_as_bucket_view": True}),
         *[("ddp", {"bucket_cap_mb": mb}) for mb in DDP_BUCKETS_MB if mb != 25],
         ("ddp", {"static_graph": True}),
@@ -53,7 +54,12 @@ def sweep_points(bf16: bool, hsdp: bool = False) -> list[tuple[str, dict[str, An
 
 
 def sweep_configs(
-    workloads: int, bf16: bool, *, knobs: Sequence[str] | None = None, hsdp: bool = False
+    workloads: int,
+    bf16: bool,
+    *,
+    knobs: Sequence[str] | None = None,
+    hsdp: bool = False,
+    recipe: Mapping[str, Any] | None = None,
 ) -> list[Config]:
     """Every point for every workload: the most informative points first, for each workload.
 
@@ -63,6 +69,8 @@ def sweep_configs(
         knobs: ``--knobs``: keep only the points that set one of these knobs, and each
             strategy at its defaults (the baseline they are judged against).
         hsdp: Add HSDP at its defaults (the world has at least 4 ranks).
+        recipe: Knobs every point starts from (``--param-dtype`` ...): a point's own knob
+            wins; points the recipe makes the same are swept once.
 
     Raises:
         BenchUsageError: If a name in ``knobs`` is not a knob of the sweep.
@@ -78,6 +86,12 @@ def sweep_configs(
         points = [
             (s, point) for s, point in points if not point or any(name in point for name in knobs)
         ]
+    if recipe:
+        merged: dict[tuple[Any, ...], tuple[str, dict[str, Any]]] = {}
+        for strategy, point in points:
+            with_recipe = {**recipe_for(strategy, recipe), **point}
+            merged.setdefault((strategy, knob_key(with_recipe)), (strategy, with_recipe))
+        points = list(merged.values())
     return [
         Config(workload=index, strategy=strategy, knobs=point)
         for strategy, point in points

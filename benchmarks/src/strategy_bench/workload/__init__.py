@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 from strategy_bench.workload._knobs import (
+    CHECKPOINT_MODES,
+    RECIPE_KNOBS,
+    checkpoint_mode,
     compile_unavailable,
+    compute_dtype,
+    ddp_wrap_knobs,
+    knob_key,
     micro_steps,
     needs_compiler,
     prepare_blocks,
+    recipe_for,
+    selective_kept,
     step_knobs,
     wrap_knobs,
 )
@@ -31,16 +39,22 @@ from strategy_bench.workload._workload import (
 )
 
 __all__ = [
+    "CHECKPOINT_MODES",
     "CPU_DEFAULT_MODELS",
     "ESTIMATE_DEFAULT_MODELS",
     "GPU_DEFAULT_MODELS",
     "PRESETS",
+    "RECIPE_KNOBS",
     "BenchTransformer",
     "Preset",
     "Workload",
     "WorkloadSpec",
     "check_workload",
+    "checkpoint_mode",
     "compile_unavailable",
+    "compute_dtype",
+    "ddp_wrap_knobs",
+    "knob_key",
     "load_callable",
     "micro_steps",
     "needs_compiler",
@@ -48,6 +62,8 @@ __all__ = [
     "parse_init_params",
     "prepare_blocks",
     "preset_workload",
+    "recipe_for",
+    "selective_kept",
     "step_knobs",
     "synthetic_tokens",
     "training_optimizer",

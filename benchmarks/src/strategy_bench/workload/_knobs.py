@@ -8,13 +8,14 @@ what the step knobs do to the model before the wrap.
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from distributed_strategy import select_shard_targets
 from strategy_bench._errors import BenchUsageError, error_summary
@@ -31,6 +32,86 @@ def wrap_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
 def step_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
     """The knobs of the training step around the wrapped model."""
     return {key: value for key, value in knobs.items() if key in STEP_KNOBS}
+
+
+CHECKPOINT_MODES = ("none", "full", "selective")
+"""``activation_checkpointing``'s values: none; ``full`` (each block recomputed whole in
+backward; ``True`` in older results); ``selective`` (op level, after torchtitan's policy: the
+outputs of every matmul and of attention are kept, everything else in the block is
+recomputed; torchtitan also recomputes every second ``mm``)."""
+
+
+def checkpoint_mode(knobs: Mapping[str, Any]) -> str | None:
+    """``"full"``, ``"selective"``, or ``None`` (no checkpointing) for a point's knobs.
+
+    Raises:
+        BenchUsageError: For a value that is none of :data:`CHECKPOINT_MODES` (or a bool).
+    """
+    value = knobs.get("activation_checkpointing")
+    if value is None or value is False or value == "none":
+        return None
+    if value is True or value == "full":
+        return "full"
+    if value == "selective":
+        return "selective"
+    raise BenchUsageError(
+        f"activation_checkpointing must be one of {', '.join(CHECKPOINT_MODES)}, got {value!r}"
+    )
+
+
+def knob_key(knobs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """A point's knobs as a key that matches across spellings.
+
+    Sorted, with ``activation_checkpointing=True`` (older results) read as ``"full"``.
+    """
+    canonical = dict(knobs)
+    if "activation_checkpointing" in canonical:
+        mode = checkpoint_mode(canonical)
+        if mode is None:
+            del canonical["activation_checkpointing"]
+        else:
+            canonical["activation_checkpointing"] = mode
+    return tuple(sorted(canonical.items()))
+
+
+def compute_dtype(strategy: str | None, knobs: Mapping[str, Any], dtype: str) -> str:
+    """The autocast dtype a point's step runs under: ``dtype``, or bf16 for a bf16 recipe.
+
+    FSDP and HSDP take ``param_dtype`` in their mixed-precision policy (the gathered
+    parameters are bf16, so the compute is). DDP has no such policy: its bf16 recipe is bf16
+    autocast over fp32 parameters, what DDP trainers run. So is the unwrapped copy that
+    ``compute_ms`` times (``strategy=None``): the point's compute in the point's dtype.
+    """
+    if strategy not in ("fsdp", "hsdp") and knobs.get("param_dtype") == "bf16":
+        return "bf16"
+    return dtype
+
+
+RECIPE_KNOBS = ("param_dtype", "reduce_dtype", "activation_checkpointing", "grad_accum")
+"""The recipe's knobs (``--param-dtype``, ``--reduce-dtype``, ``--activation-checkpointing``,
+``--grad-accum``), the names strategy-config's ``training.distributed`` keys have."""
+
+_FSDP_ONLY = ("param_dtype", "reduce_dtype")
+"""FSDP's mixed-precision policy: DDP has none (its bf16 recipe is autocast, see
+:func:`compute_dtype`; its gradients are all-reduced in the parameters' dtype)."""
+
+
+def recipe_for(strategy: str, recipe: Mapping[str, Any]) -> dict[str, Any]:
+    """The knobs a recipe gives ``strategy``'s point.
+
+    FSDP and HSDP take every knob. DDP takes ``param_dtype`` (bf16: autocast, see
+    :func:`compute_dtype`) and the step's knobs, not ``reduce_dtype``: DDP all-reduces its
+    fp32 gradients in fp32.
+    """
+    knobs = dict(recipe)
+    if strategy == "ddp":
+        knobs.pop("reduce_dtype", None)
+    return knobs
+
+
+def ddp_wrap_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
+    """The wrapper's knobs for DDP: FSDP's mixed-precision policy left out."""
+    return {key: value for key, value in wrap_knobs(knobs).items() if key not in _FSDP_ONLY}
 
 
 def micro_steps(knobs: Mapping[str, Any]) -> int:
@@ -62,10 +143,13 @@ def prepare_blocks(model: nn.Module, knobs: Mapping[str, Any]) -> list[nn.Module
     """Apply the block knobs before the wrap, to each block (FSDP's default shard units).
 
     ``activation_checkpointing``: each block's forward runs under non-reentrant
-    ``torch.utils.checkpoint`` (its activations are recomputed in backward; what it keeps is
-    its input). ``compile``: each block is compiled in place (``nn.Module.compile``), so the
-    wrapper's hooks stay outside the compiled regions. Both go on the same modules that
-    FSDP shards by default, so a checkpointed or compiled region never spans two units.
+    ``torch.utils.checkpoint``. ``full``: its activations are recomputed in backward; what it
+    keeps is its input. ``selective``: the outputs of its matmuls and attention are kept and
+    the rest (norms, activations, elementwise ops) recomputed, torch's selective checkpoint
+    contexts with :func:`_selective_policy`. ``compile``: each block is compiled in place
+    (``nn.Module.compile``), so the wrapper's hooks stay outside the compiled regions. Both
+    go on the same modules that FSDP shards by default, so a checkpointed or compiled region
+    never spans two units.
 
     Returns:
         The blocks changed (empty when no block knob is set).
@@ -73,9 +157,9 @@ def prepare_blocks(model: nn.Module, knobs: Mapping[str, Any]) -> list[nn.Module
     Raises:
         BenchUsageError: If a block knob is set but the model has no repeated blocks.
     """
-    checkpointed = bool(knobs.get("activation_checkpointing", False))
+    mode = checkpoint_mode(knobs)
     backend = compile_backend(knobs)
-    if not checkpointed and backend is None:
+    if mode is None and backend is None:
         return []
     blocks = select_shard_targets(model, None)
     if not blocks:
@@ -85,10 +169,11 @@ def prepare_blocks(model: nn.Module, knobs: Mapping[str, Any]) -> list[nn.Module
             "block class)"
         )
     for block in blocks:
-        if checkpointed:
+        if mode is not None:
             # An instance attribute bound to the block: a deepcopy of the model rebinds it
             # to the copy's block.
-            block.forward = types.MethodType(_checkpointed_forward, block)
+            forward = _checkpointed_forward if mode == "full" else _selective_forward
+            block.forward = types.MethodType(forward, block)
         if backend is not None:
             block.compile(backend=backend)
     return blocks
@@ -97,6 +182,82 @@ def prepare_blocks(model: nn.Module, knobs: Mapping[str, Any]) -> list[nn.Module
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = type(self).forward
     return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
+
+
+def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    forward = type(self).forward
+    return checkpoint(
+        forward, self, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs
+    )
+
+
+_COLLECTORS: list[list[Mapping[Any, Any]]] = []
+
+
+@contextlib.contextmanager
+def selective_kept() -> Iterator[list[torch.Tensor]]:
+    """The tensors selective checkpointing keeps for backward, of the forwards run while active.
+
+    They live in stores of torch's selective checkpoint contexts, not among autograd's saved
+    tensors (the activation count reads them, see
+    ``strategy_bench.measure._accounting.saved_activation_bytes``). The yielded list is
+    filled when the block exits.
+    """
+    found: list[Mapping[Any, Any]] = []
+    kept: list[torch.Tensor] = []
+    _COLLECTORS.append(found)
+    try:
+        yield kept
+    finally:
+        _COLLECTORS.remove(found)
+        for store in found:
+            kept.extend(_tensors(list(store.values())))
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a selective-checkpoint store: per op, per call, the kept outputs.
+
+    Each kept output is wrapped (``_VersionWrapper(val=...)`` in torch 2.11-2.13) and the ops
+    that are recomputed hold placeholders; both are walked without naming torch's classes.
+    """
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(getattr(value, "val", None), torch.Tensor | tuple | list):
+        yield from _tensors(value.val)
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    """Torch's selective checkpoint contexts: keep :data:`_SAVED`'s outputs, recompute the rest."""
+    ops = sorted(_SAVED, key=str)
+    caching, cached = create_selective_checkpoint_contexts(ops)  # type: ignore[no-untyped-call]
+    for found in _COLLECTORS:
+        found.append(caching.storage)
+    return caching, cached
+
+
+def _saved_ops() -> frozenset[Any]:
+    """The ops whose outputs selective checkpointing keeps: matmuls and attention kernels."""
+    aten = torch.ops.aten
+    names = (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
+
+
+_SAVED = _saved_ops()
 
 
 def compile_unavailable(device: str) -> str | None:

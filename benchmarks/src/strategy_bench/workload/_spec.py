@@ -18,6 +18,7 @@ class WorkloadSpec:
     input_factory: str | None = None
     trainable: str | None = None
     scale: tuple[str, int] | None = None
+    tokens_per_sample: int | None = None
 
     def build(self) -> Workload:
         """The workload this spec names, with ``scale``'s init parameter set if given."""
@@ -26,7 +27,11 @@ class WorkloadSpec:
         else:
             assert self.model_factory is not None and self.input_factory is not None
             workload = user_workload(
-                self.model_factory, self.init_params, self.input_factory, self.trainable
+                self.model_factory,
+                self.init_params,
+                self.input_factory,
+                self.trainable,
+                tokens_per_sample=self.tokens_per_sample,
             )
         if self.scale is None:
             return workload

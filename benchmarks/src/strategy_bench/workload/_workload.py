@@ -103,8 +103,13 @@ def user_workload(
     init_params: str | None,
     input_factory: str,
     trainable: str | None = None,
+    *,
+    tokens_per_sample: int | None = None,
 ) -> Workload:
     """A workload from the user's ``package.module:callable`` factories.
+
+    ``tokens_per_sample``: the tokens in one sample of the input factory's batches, where
+    the user knows them (``--tokens-per-sample``), for tokens/s.
 
     The input factory is called as ``input_factory(batch_size, device, generator)`` and returns
     one batch for one rank: a tensor (``model(batch)``), a tuple or list
@@ -126,6 +131,7 @@ def user_workload(
         init_params=params,
         make_batch=batches,
         loss=output_loss,
+        tokens_per_sample=tokens_per_sample,
         trainable=policy,
     )
 
