@@ -21,7 +21,7 @@ from strategy_bench.cli._args import (
     recipe_knobs,
     workload_specs,
 )
-from strategy_bench.launch import launch, under_torchrun
+from strategy_bench.launch import end_process, launch, under_torchrun
 from strategy_bench.measure import HSDP_MIN_WORLD, STRATEGIES, RunOptions, hsdp_shape
 from strategy_bench.plan import Config, Plan, sweep_configs
 from strategy_bench.report import (
@@ -71,10 +71,11 @@ def command(args: argparse.Namespace) -> int:
             f"{plan.backend} rank(s); results in {plan.out_dir}\n"
         )
     code = launch(plan, timeout_s=args.timeout)
-    if torchrun and int(os.environ["RANK"]) != 0:
-        return code  # under torchrun, rank 0 alone reports
-    if (Path(plan.out_dir) / "results.json").exists():
+    reports = not torchrun or int(os.environ["RANK"]) == 0  # under torchrun, rank 0 alone
+    if reports and (Path(plan.out_dir) / "results.json").exists():
         report_run(plan, extra)
+    if torchrun:  # this process is a rank: end it without the teardown that can abort it
+        end_process(code)
     return code
 
 
