@@ -55,8 +55,10 @@ from distributed_strategy import (
     CheckpointManager,
     SampleOrder,
     clip_grad_norm,
+    count_mean,
     derive_seed,
     full_state_dict,
+    global_count,
     init_distributed,
     load_checkpoint,
     no_sync,
@@ -101,6 +103,10 @@ class TinyNet(nn.Module):
         """Called by the trainer instead of forward: registered as a forward method."""
         return nn.functional.mse_loss(self.forward(x), y)
 
+    def loss_sum(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The summed squared error of the valid positions (variable-length samples)."""
+        return ((self.forward(x) - y).pow(2).squeeze(-1) * mask).sum()
+
 
 def freeze_encoder(model: nn.Module) -> None:
     """The trainable policy: applied before the wrap, so DDP's reducer sees it."""
@@ -124,6 +130,18 @@ def main() -> None:
     )
     parser.add_argument("--micro-batch", type=int, default=4, help="with --global-batch")
     parser.add_argument("--samples", type=int, default=256, help="dataset size (--global-batch)")
+    parser.add_argument(
+        "--variable-length",
+        action="store_true",
+        help="with --global-batch: samples of 1-4 valid positions, the loss normalised by the "
+        "step's global count of them (global_count + count_mean: the same at any world size)",
+    )
+    parser.add_argument(
+        "--naive-mean",
+        action="store_true",
+        help="with --variable-length: each micro-batch's mean / accumulation instead (the "
+        "usual mean(), whose gradient changes with the world size)",
+    )
     parser.add_argument("--clip", type=float, default=None, help="max gradient norm")
     parser.add_argument("--save", default=None, help="checkpoint directory to write at the end")
     parser.add_argument("--resume", default=None, help="checkpoint directory to resume from")
@@ -146,6 +164,8 @@ def main() -> None:
         parser.error("--grad-accum must be >= 1 and divide --batch-size")
     if args.global_batch is not None and (args.global_batch < 1 or args.micro_batch < 1):
         parser.error("--global-batch and --micro-batch must be >= 1")
+    if args.variable_length and args.global_batch is None:
+        parser.error("--variable-length reads sample-order's global batches: add --global-batch")
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     # NCCL bound to this rank's GPU where CUDA is available (gloo elsewhere), a store prefix
@@ -161,7 +181,11 @@ def main() -> None:
             )
         args.grad_accum = args.global_batch // (world * args.micro_batch)
         order = SampleOrder(args.samples, global_batch=args.global_batch, seed=args.seed)
-        dataset = torch.randn(args.samples, 32, generator=torch.Generator().manual_seed(args.seed))
+        data = torch.Generator().manual_seed(args.seed)
+        if args.variable_length:  # 4 positions per sample, 1 + index % 4 of them valid
+            dataset = torch.randn(args.samples, POSITIONS, 32, generator=data)
+        else:
+            dataset = torch.randn(args.samples, 32, generator=data)
     try:
         model = prepare_model(
             TinyNet,
@@ -171,7 +195,7 @@ def main() -> None:
             default_dtype=torch.float32,
             seed=args.seed,
             trainable=freeze_encoder,
-            forward_methods=["loss"],
+            forward_methods=["loss", "loss_sum"],
         )
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
         first = 0
@@ -202,15 +226,24 @@ def main() -> None:
                 micro = []
                 for indices in parts:
                     xs = dataset[indices].to(device)
-                    micro.append((xs, xs.sum(dim=1, keepdim=True).div(32)))
+                    micro.append((xs, xs.sum(dim=-1, keepdim=True).div(32)))
                 seen = ", samples " + _consumed([i for part in parts for i in part], world)
+            masks = [_valid(part, device) for part in parts] if args.variable_length else []
+            # Variable length: the items of the whole global batch, counted once per step.
+            count = global_count([m.sum() for m in masks], model=model) if masks else None
             total = 0.0
             for index, (xs, ys) in enumerate(micro):
                 last = index == len(micro) - 1
                 # All micro-steps but the last skip the gradient reduction (DDP or FSDP alike);
                 # forward and backward both run inside the block.
                 with contextlib.nullcontext() if last else no_sync(model):
-                    loss = model.loss(xs, ys) / args.grad_accum
+                    if count is None:
+                        loss = model.loss(xs, ys) / args.grad_accum
+                    elif args.naive_mean:  # each micro-batch's token mean: split-dependent
+                        loss = model.loss_sum(xs, ys, masks[index]) / masks[index].sum()
+                        loss = loss / args.grad_accum
+                    else:  # sum of item losses / global count, scaled for the reduction
+                        loss = count_mean(model.loss_sum(xs, ys, masks[index]), count, model=model)
                     loss.backward()
                 total += loss.item()
             if args.clip is not None:
@@ -232,12 +265,31 @@ def main() -> None:
         if rank == 0:
             total = sum(float(t.double().sum()) for t in full.values())
             print(f"{args.strategy}: final weight sum {total:.6f}")
+            # A fixed random projection: unlike the sum, it moves with the updates' direction.
+            axis = torch.Generator().manual_seed(0)
+            projection = sum(
+                float(
+                    (t.double().flatten() * torch.randn(t.numel(), generator=axis).double()).sum()
+                )
+                for _, t in sorted(full.items())
+            )
+            print(f"{args.strategy}: final weight projection {projection:.9f}")
             print(f"{args.strategy}: final fingerprint {state_fingerprint(sorted(full.items()))}")
         # Every rank is done before any rank tears the group down: a gloo peer that is torn
         # down while the other still holds the connection can abort the process.
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+POSITIONS = 4
+"""Positions per sample with --variable-length."""
+
+
+def _valid(indices: list[int], device: torch.device) -> torch.Tensor:
+    """The mask of a micro-batch's valid positions: sample ``i`` has ``1 + i % 4`` of them."""
+    lengths = torch.tensor([1 + i % POSITIONS for i in indices])
+    return (torch.arange(POSITIONS)[None, :] < lengths[:, None]).to(device)
 
 
 def _consumed(mine: list[int], world: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import warnings
@@ -222,4 +223,119 @@ def everything(rank: int, world_size: int) -> dict[str, Any]:
         "ddp_outside": ddp_forward_outside(rank, world_size),
         "fsdp": fsdp_accumulation(rank, world_size),
         "clip": clip_norms(rank, world_size),
+        "variable": variable_length(rank, world_size, ("ddp", "fsdp")),
+        "zero": zero_count(rank, world_size),
     }
+
+
+# --- Variable-length data: the loss normalised by the global count of tokens ---------------
+
+SEQ = 5  # positions per sample; each sample has 1..SEQ valid ones
+
+
+def tokens(rank: int, micro: int, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s micro-batch ``micro``: inputs and a mask of valid positions.
+
+    Lengths differ per sample, so per-rank and per-micro-batch token counts differ.
+    """
+    generator = torch.Generator().manual_seed(7919 * step + 101 * rank + micro)
+    x = torch.randn(BATCH, SEQ, 6, generator=generator)
+    lengths = torch.randint(1, SEQ + 1, (BATCH,), generator=generator)
+    mask = torch.arange(SEQ)[None, :] < lengths[:, None]
+    return x.to(rank_device()), mask.to(rank_device())
+
+
+def token_losses(model: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The sum of the valid positions' losses (the padding contributes nothing)."""
+    per_token = (model(x).squeeze(-1) - 1.0).pow(2)
+    return (per_token * mask).sum()
+
+
+def count_reference(
+    model: nn.Module, parts: list[tuple[torch.Tensor, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """One process over the whole global batch: d(sum of token losses / token count)."""
+    plain = copy.deepcopy(model)
+    plain.zero_grad(set_to_none=True)
+    total = sum(int(mask.sum()) for _, mask in parts)
+    loss = sum(token_losses(plain, x, mask) for x, mask in parts) / total
+    loss.backward()
+    return {name: p.grad.clone() for name, p in plain.named_parameters()}
+
+
+def count_step(
+    model: nn.Module, parts: list[tuple[torch.Tensor, torch.Tensor]], *, exact: bool
+) -> None:
+    """One optimizer step's backwards over ``parts`` (this rank's micro-batches).
+
+    ``exact``: global_count + count_mean. Otherwise the usual mean: each micro-batch's
+    token mean, divided by the accumulation steps (averaged over ranks by the reduction).
+    """
+    from grad_sync import count_mean, global_count
+
+    count = global_count([mask.sum() for _, mask in parts], model=model) if exact else None
+    for index, (x, mask) in enumerate(parts):
+        last = index == len(parts) - 1
+        with contextlib.nullcontext() if last else no_sync(model):
+            if exact:
+                loss = count_mean(token_losses(model, x, mask), count, model=model)
+            else:
+                loss = token_losses(model, x, mask) / mask.sum() / len(parts)
+            loss.backward()
+
+
+def _variable_model(strategy: str, world_size: int) -> nn.Module:
+    model = build()
+    if strategy == "ddp":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            return DistributedDataParallel(model, broadcast_buffers=False)
+    mesh = None
+    if strategy == "hsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (2, world_size // 2)
+        mesh = init_device_mesh(rank_device().type, shape, mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def variable_length(rank: int, world_size: int, strategies: tuple[str, ...]) -> dict[str, Any]:
+    """For each strategy and accumulation 1 and 2: the stepped gradients against one
+    process over the same global batch, with count_mean and with the usual mean()."""
+    from grad_sync import data_parallel_size, global_count
+
+    out: dict[str, Any] = {}
+    for strategy in strategies:
+        for accum in (1, 2):
+            every = [tokens(r, m) for r in range(world_size) for m in range(accum)]
+            mine = every[rank * accum : (rank + 1) * accum]
+            reference = count_reference(build(), every)
+            for exact in (True, False):
+                model = _variable_model(strategy, world_size)
+                count_step(model, mine, exact=exact)
+                got = grads_of(model)
+                worst = max(float((got[k] - reference[k]).abs().max()) for k in reference)
+                scale = max(float(v.abs().max()) for v in reference.values())
+                key = f"{strategy}_{accum}_{'count' if exact else 'mean'}"
+                out[key] = {"max_abs": worst, "relative": worst / scale}
+            model = _variable_model(strategy, world_size)
+            counts = [int(mask.sum()) for _, mask in mine]
+            out[f"{strategy}_{accum}_global"] = int(global_count(counts, model=model))
+            out[f"{strategy}_{accum}_expected"] = sum(int(mask.sum()) for _, mask in every)
+            out[f"{strategy}_dp"] = data_parallel_size(model)
+    return out
+
+
+def zero_count(rank: int, world_size: int) -> str:
+    from grad_sync import count_mean, global_count
+
+    model = _variable_model("ddp", world_size)
+    count = global_count(0, model=model)
+    try:
+        count_mean(torch.zeros((), requires_grad=True), count, model=model)
+    except ValueError as error:
+        return str(error)
+    return "no error"

@@ -104,6 +104,46 @@ def replica_checks(rank: int, world_size: int) -> dict[str, Any]:
     broadcast_coalesced(tensors, src=0, bucket_bytes=64)
     out["coalesced"] = [t.tolist() for t in tensors]
     out.update(_sharded_checks(rank, rng_before))
+    out.update(_drift_checks(rank))
+    return out
+
+
+def _drift_checks(rank: int) -> dict[str, Any]:
+    """replica_drift on DDP (untouched, then one parameter nudged on rank 1) and FSDP."""
+    import time
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    from replica_init import replica_drift
+
+    out: dict[str, Any] = {}
+    model = build_replicated_model(
+        ToyNet, PARAMS, device=rank_device(), default_dtype=torch.float32, seed=3
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ddp = DistributedDataParallel(model, broadcast_buffers=False)
+    with ddp.no_sync():  # local gradients, before any reduction: different on each rank
+        tokens = torch.full((2, 3), rank + 1, dtype=torch.long, device=rank_device())
+        ddp(tokens).float().pow(2).mean().backward()
+    begin = time.perf_counter()
+    clean = replica_drift(ddp)
+    out["drift_ms"] = (time.perf_counter() - begin) * 1e3
+    out["drift_clean"] = (clean.compared, clean.drifted, clean.tensor, str(clean))
+    out["drift_norms"] = clean.grad_norms
+    if rank == 1:
+        with torch.no_grad():
+            model.blocks[1].mlp[0].weight[2, 3] += 1e-3
+    nudged = replica_drift(ddp)
+    out["drift_nudged"] = (nudged.drifted, nudged.tensor, nudged.ranks, nudged.max_abs_diff)
+    out["drift_line"] = str(nudged)
+    sharded = _shard(
+        build_replicated_model(
+            ToyNet, PARAMS, device=rank_device(), default_dtype=torch.float32, seed=3
+        )
+    )
+    out["drift_fsdp"] = (replica_drift(sharded).compared, str(replica_drift(sharded)))
     return out
 
 
@@ -178,3 +218,30 @@ def _sharded_checks(rank: int, rng_before: torch.Tensor) -> dict[str, Any]:
     except Exception as error:
         out["sharded_wrap_failure"] = f"{type(error).__name__}: {error}"
     return out
+
+
+def hsdp_drift(rank: int, world_size: int) -> dict[str, Any]:
+    """replica_drift under HSDP 2 x 2: each shard compared across the replicas."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from replica_init import replica_drift
+
+    mesh = init_device_mesh(
+        rank_device().type, (2, world_size // 2), mesh_dim_names=("replicate", "shard")
+    )
+    model = build_replicated_model(
+        ToyNet, PARAMS, device=rank_device(), default_dtype=torch.float32, seed=3
+    )
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    clean = replica_drift(model)
+    if rank == 3:  # replica 1's copy of shard 1
+        with torch.no_grad():
+            local = model.blocks[0].mlp[2].bias.to_local()
+            local.add_(0.5)
+    nudged = replica_drift(model)
+    return {
+        "clean": (clean.compared, clean.drifted, clean.group_ranks),
+        "nudged": (nudged.drifted, nudged.tensor, nudged.ranks, nudged.max_abs_diff),
+    }

@@ -313,3 +313,42 @@ def test_hsdp_trains_like_ddp_and_fsdp_and_its_checkpoint_moves(tmp_path: Path) 
         for name in ("fsdp", "hsdp")
     }
     assert 0 < sizes["hsdp"] <= 1.05 * sizes["fsdp"], sizes
+
+
+@pytest.mark.multiprocess
+def test_variable_length_data_is_exact_at_any_world_size(tmp_path: Path) -> None:
+    """Samples of 1-4 valid positions, the loss normalised by the step's global count
+    (global_count + count_mean): trained on 2 ranks (micro-batches of 2), saved at step 2 and
+    continued in one process (micro-batches of 4), the same gradient norm at every step and the
+    uninterrupted 2-rank run's weights, up to float reduction order. With each micro-batch's
+    mean instead, the one-process and the 2-rank runs of the same global batch already
+    compute different gradients at step 0."""
+    common = ("--global-batch", "8", "--variable-length", "--clip", "1e9")
+    common += ("--pg-timeout-s", "120", "--strategy", "fsdp")
+    two_ranks = (*common, "--micro-batch", "2")  # 2 x 2 micro-batches of 2
+    one_rank = (*common, "--micro-batch", "4")  # 2 micro-batches of 4
+    ckpt = tmp_path / "vl"
+    straight = _example(*two_ranks, "--steps", "4", "--ckpt-dir", str(ckpt), "--ckpt-every", "2")
+    resumed = _example(*one_rank, "--steps", "4", "--resume", str(ckpt / "step-2"), nproc=1)
+    assert "step 2:" in resumed.stdout and "step 1:" not in resumed.stdout
+    assert _samples(resumed) == {s: d for s, d in _samples(straight).items() if s >= 2}
+    norms, again = _grad_norms(straight), _grad_norms(resumed)
+    for step in (2, 3):
+        assert again[step] == pytest.approx(norms[step], rel=1e-5), (norms, again)
+    assert abs(_projection(resumed) - _projection(straight)) < 1e-5
+    naive = ("--steps", "1", "--naive-mean")
+    two = _grad_norms(_example(*two_ranks, *naive))[0]
+    one = _grad_norms(_example(*one_rank, *naive, nproc=1))[0]
+    assert abs(one - two) / two > 1e-3, (one, two)  # the split of the batch changed it
+
+
+def _grad_norms(result: subprocess.CompletedProcess[str]) -> dict[int, float]:
+    found = re.findall(r"^step (\d+): .*grad norm ([0-9.]+)", result.stdout, re.MULTILINE)
+    return {int(step): float(norm) for step, norm in found}
+
+
+def _projection(result: subprocess.CompletedProcess[str]) -> float:
+    """The trainer's fixed random projection of the final weights (direction-sensitive)."""
+    lines = [line for line in result.stdout.splitlines() if "final weight projection" in line]
+    assert len(lines) == 1, result.stdout
+    return float(lines[0].rsplit(" ", 1)[1])

@@ -113,3 +113,38 @@ def test_sharded_wrap_failure_reaches_every_rank(ranks: list[dict[str, Any]]) ->
     )
     # The exchanged message above is the proof that rank 0 did not sit out the group's 60 s
     # timeout (that raises another error); no wall-clock bound, which a busy host can break.
+
+
+def test_replica_drift_names_a_nudged_parameter_and_its_rank(ranks: list[dict[str, Any]]) -> None:
+    """Untouched DDP replicas: no drift, every tensor compared, each rank's local (unreduced,
+    no_sync) gradient norm reported. One parameter nudged by 1e-3 on rank 1: named, with the
+    rank and the difference, on every rank. FSDP over one dimension replicates nothing."""
+    for rank in ranks:
+        compared, drifted, tensor, line = rank["drift_clean"]
+        assert compared > 0 and drifted is False and tensor is None
+        assert line.startswith("replica drift: none")
+        norms = rank["drift_norms"]
+        assert len(norms) == 2 and norms[0] != norms[1]  # different data per rank
+        drifted, tensor, differing, worst = rank["drift_nudged"]
+        assert drifted is True and tensor == "param:blocks.1.mlp.0.weight" and differing == [1]
+        assert worst == pytest.approx(1e-3, rel=1e-3)
+        assert "param:blocks.1.mlp.0.weight differs on ranks [1] from rank 0" in rank["drift_line"]
+        assert rank["drift_fsdp"] == (0, "replica drift: nothing replicated to compare")
+    assert ranks[0]["drift_norms"] == ranks[1]["drift_norms"]
+
+
+def test_replica_drift_compares_hsdp_shards_across_the_replicas() -> None:
+    """HSDP 2 x 2: rank r's shard is compared with the other replica's copy of it (ranks
+    {0, 2} and {1, 3}); a shard nudged on rank 3 is found by its replica group only."""
+    from replica_init_workers import hsdp_drift
+
+    results = run_ranks(hsdp_drift, world_size=4)
+    for rank, result in enumerate(results):
+        compared, drifted, members = result["clean"]
+        assert compared > 0 and drifted is False and members == [rank % 2, rank % 2 + 2]
+        drifted, tensor, differing, worst = result["nudged"]
+        if rank % 2 == 1:
+            assert (drifted, tensor, differing) == (True, "param:blocks.0.mlp.2.bias", [3])
+            assert worst == pytest.approx(0.5)
+        else:
+            assert drifted is False

@@ -58,10 +58,11 @@ from fsdp_wrap import (
     torch_dtype,
     wrap_module_fsdp,
 )
-from grad_sync import clip_grad_norm, no_sync
+from grad_sync import clip_grad_norm, count_mean, data_parallel_size, global_count, no_sync
 from replica_init import (
     BROADCAST_BUCKET_BYTES,
     STREAM_BUCKET_BYTES,
+    DriftReport,
     ReplicaMismatchError,
     ShardedModel,
     assert_replicas_identical,
@@ -70,6 +71,7 @@ from replica_init import (
     build_sharded_model,
     materialize,
     model_fingerprint,
+    replica_drift,
     state_fingerprint,
     stream_bucket_bytes,
 )
@@ -116,6 +118,7 @@ __all__ = [
     "DeviceLike",
     "DeviceRngState",
     "DistributedConfig",
+    "DriftReport",
     "MemoryPeak",
     "PendingCheckpoint",
     "ReplicaMismatchError",
@@ -137,13 +140,16 @@ __all__ = [
     "check_wrap_preconditions",
     "clip_grad_norm",
     "consolidate_checkpoint",
+    "count_mean",
     "current_rss",
+    "data_parallel_size",
     "derive_seed",
     "did_you_mean",
     "fork_model_rng",
     "fork_rng",
     "fsdp_modules",
     "full_state_dict",
+    "global_count",
     "hsdp_mesh",
     "init_distributed",
     "is_ddp_strategy",
@@ -162,6 +168,7 @@ __all__ = [
     "on_device",
     "prepare_model",
     "rank",
+    "replica_drift",
     "require_current_device",
     "require_device_index",
     "require_process_group",

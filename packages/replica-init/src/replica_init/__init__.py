@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from replica_init._broadcast import BROADCAST_BUCKET_BYTES
 from replica_init._build import build_replicated_model_from_scratch
+from replica_init._drift import DriftReport, replica_drift
 from replica_init._fingerprint import model_fingerprint, state_fingerprint
 from replica_init._sharded import ShardedModel, build_sharded_model
 from replica_init._source import build_replicated_model, materialize
@@ -13,6 +14,7 @@ from replica_init._verify import ReplicaMismatchError, assert_replicas_identical
 __all__ = [
     "BROADCAST_BUCKET_BYTES",
     "STREAM_BUCKET_BYTES",
+    "DriftReport",
     "ReplicaMismatchError",
     "ShardedModel",
     "assert_replicas_identical",
@@ -21,6 +23,7 @@ __all__ = [
     "build_sharded_model",
     "materialize",
     "model_fingerprint",
+    "replica_drift",
     "state_fingerprint",
     "stream_bucket_bytes",
 ]
