@@ -160,8 +160,10 @@ def single_rank_group() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def fresh_interpreter(code: str, *, timeout: float = 120) -> str:
+def fresh_interpreter(code: str, *, timeout: float = 120, env: dict[str, str] | None = None) -> str:
     """Run ``code`` (dedented) in a new Python process, where no process group exists yet.
+
+    ``env`` adds to (and overrides) this process's environment.
 
     Returns:
         Its standard output.
@@ -179,5 +181,6 @@ def fresh_interpreter(code: str, *, timeout: float = 120) -> str:
         text=True,
         check=True,
         timeout=timeout,
+        env=None if env is None else {**os.environ, **env},
     )
     return done.stdout

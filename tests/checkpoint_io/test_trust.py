@@ -364,3 +364,171 @@ def test_stateful_keys_are_kept_apart_and_ordered_dicts_stay(tmp_path: Path) -> 
     load_checkpoint(path, Small(), stateful={"s": holder})
     assert type(holder.state["inner"]) is collections.OrderedDict
     assert list(holder.state["inner"]) == ["b", "a"]
+
+
+SUPPORT = str(Path(__file__).parents[1] / "_support")
+
+
+class TestHostileDirectories:
+    """Issue 51 (4, 7, 8): what a planted or damaged directory under the root may do."""
+
+    def _root(self, tmp_path: Path, steps: tuple[int, ...] = (1, 2)) -> Path:
+        model, optimizer = trained()
+        manager = CheckpointManager(tmp_path / "root", every=1)
+        for step in steps:
+            manager.maybe_save(step, model, optimizer, stateful={"holder": Holder({"k": step})})
+        return tmp_path / "root"
+
+    def test_fifos_and_links_are_refused_without_hanging(self, tmp_path: Path) -> None:
+        """A FIFO named .metadata hung latest_checkpoint and resume; a FIFO RNG or stateful
+        file hung load_checkpoint; a linked checkpoint.json was read from outside. Run in a
+        child with a deadline: a hang fails the test instead of stopping the suite."""
+        import shutil
+
+        from dist_harness import fresh_interpreter
+
+        root = self._root(tmp_path)
+        for step, name in ((3, ".metadata"), (4, "rng/rank0.pt"), (5, "stateful/rank0.pt")):
+            planted = root / f"step-{step}"
+            shutil.copytree(root / "step-2", planted)
+            (planted / name).unlink()
+            os.mkfifo(planted / name)
+        outside = tmp_path / "outside.json"
+        shutil.copy(root / "step-2" / "checkpoint.json", outside)
+        shutil.copytree(root / "step-2", root / "step-6")
+        (root / "step-6" / "checkpoint.json").unlink()
+        (root / "step-6" / "checkpoint.json").symlink_to(outside)
+        out = fresh_interpreter(
+            f"""
+            from pathlib import Path
+            from checkpoint_io import CheckpointError, latest_checkpoint, load_checkpoint
+            from checkpoint_models import Small
+            root = Path({str(root)!r})
+            print(latest_checkpoint(root).name)
+            for step in (4, 5):
+                try:
+                    load_checkpoint(root / f"step-{{step}}", Small())
+                except CheckpointError as error:
+                    print(step, "refused:", error)
+            """,
+            timeout=90,
+            env={"PYTHONPATH": os.pathsep.join([SUPPORT, os.environ.get("PYTHONPATH", "")])},
+        )
+        lines = out.splitlines()
+        assert lines[0] == "step-2"  # steps 3 (FIFO index) and 6 (linked manifest) skipped
+        # Refused in the child's lifetime (the size check or the regular-file check), by name.
+        assert lines[1].startswith("4 refused:") and "rng/rank0.pt" in lines[1]
+        assert lines[2].startswith("5 refused:") and "stateful/rank0.pt" in lines[2]
+
+    def test_malformed_manifests_are_skipped_not_crashed_on(self, tmp_path: Path) -> None:
+        """A manifest whose file table is a list, and one nested 100,000 deep, crashed
+        latest_checkpoint with TypeError / RecursionError: now each is skipped, with why."""
+        import shutil
+
+        root = self._root(tmp_path)
+        for step, deep in ((3, False), (4, True)):
+            shutil.copytree(root / "step-2", root / f"step-{step}")
+            manifest = root / f"step-{step}" / "checkpoint.json"
+            data = json.loads(manifest.read_text())
+            data["files"] = ["not", "a", "table"]
+            manifest.write_text("[" * 100_000 + "]" * 100_000 if deep else json.dumps(data))
+        assert latest_checkpoint(root) == root / "step-2"
+
+    def test_resume_falls_back_past_a_damaged_checkpoint(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """One flipped bit in the newest checkpoint made resume raise; a step saved as "7"
+        came back as the step. Now each is named in a warning and the next older one loads."""
+        import shutil
+
+        root = self._root(tmp_path)
+        shutil.copytree(root / "step-2", root / "step-3")
+        manifest = json.loads((root / "step-3" / "checkpoint.json").read_text())
+        manifest["step"] = "7"
+        (root / "step-3" / "checkpoint.json").write_text(json.dumps(manifest))
+        data = next((root / "step-2").glob("*.distcp"))
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        data.write_bytes(bytes(raw))
+        model, optimizer = trained()
+        holder = Holder()
+        manager = CheckpointManager(root, every=1)
+        with caplog.at_level("WARNING", logger="checkpoint_io"):
+            assert manager.resume(model, optimizer, stateful={"holder": holder}) == 1
+        assert holder.state == {"k": 1}
+        assert "cannot resume from" in caplog.text and "step-3" in caplog.text
+        assert "gives the step as '7'" in caplog.text and "step-2" in caplog.text
+
+
+class TestBoundedValues:
+    """Issue 51 (3): a value that a few bytes would expand into gigabytes is refused."""
+
+    def test_a_bytearray_is_refused_at_save_and_at_load(self, tmp_path: Path) -> None:
+        import io
+        import zipfile
+
+        from checkpoint_io._safe import load_value
+
+        model, _ = trained()
+        with pytest.raises(TypeError, match="holds a bytearray"):
+            save_checkpoint(tmp_path / "c", model, stateful={"h": Holder(bytearray(b"x"))})
+        assert not (tmp_path / "c").exists()
+        # As a crafted file would hold it (torch's weights_only loader admits it).
+        buffer = io.BytesIO()
+        torch.save({"blob": bytearray(16)}, buffer)
+        with pytest.raises(CheckpointError, match="it holds a bytearray, which can make a few"):
+            load_value(buffer.getvalue(), "the crafted value")
+        # A deflated record (about 1,000:1) is refused before it is inflated.
+        plain = io.BytesIO()
+        torch.save({"lr": 0.1}, plain)
+        squeezed = io.BytesIO()
+        with zipfile.ZipFile(plain) as source, zipfile.ZipFile(squeezed, "w") as target:
+            for item in source.infolist():
+                target.writestr(item.filename, source.read(item), zipfile.ZIP_DEFLATED)
+        with pytest.raises(CheckpointError, match="a compressed record"):
+            load_value(squeezed.getvalue(), "the deflated value")
+        assert load_value(plain.getvalue(), "a plain value") == {"lr": 0.1}
+
+
+def test_a_new_root_is_durable_on_the_first_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 51 (8): the root's own directory entry (and a new parent's) is flushed."""
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.path.relpath(os.readlink(f"/proc/self/fd/{fd}"), tmp_path))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    model, _ = trained()
+    CheckpointManager(tmp_path / "runs" / "root", every=1).maybe_save(1, model)
+    assert synced.index(".") < synced.index("runs")  # runs/ in tmp, then root/ in runs/
+    assert (tmp_path / "runs" / "root" / "step-1").is_dir()
+
+
+def test_build_on_an_enum_member_or_a_function_is_refused(tmp_path: Path) -> None:
+    """Issue 51 (2): BUILD on the enum member _MEM_FORMAT_ENCODING(0) set its _value_ to 7
+    (every later save unreadable); BUILD on torch.serialization._get_layout changed its cache.
+    Only instances the unpickling created of DCP's dataclasses may be built."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    from checkpoint_io._safe import read_metadata
+
+    member = b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R"
+    function = b"ctorch.serialization\n_get_layout\n"
+    for name, target in (("enum", member), ("function", function)):
+        folder = tmp_path / name
+        folder.mkdir()
+        state = b"}\x8c\x07_value_K\x07s" if name == "enum" else b"}\x8c\x05cacheK\x07s"
+        (folder / ".metadata").write_bytes(b"\x80\x04" + target + state + b"b.")
+        with pytest.raises(CheckpointError, match="a change to an object it did not create"):
+            read_metadata(folder)
+    assert _MEM_FORMAT_ENCODING(0).value == 0
+    assert not hasattr(torch.serialization._get_layout, "cache") or not isinstance(
+        torch.serialization._get_layout.cache, int
+    )
+    model, _ = trained()  # the process still saves and loads
+    path = save_checkpoint(tmp_path / "c", model)
+    load_checkpoint(path, Small())

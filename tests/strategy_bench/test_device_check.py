@@ -56,3 +56,11 @@ def test_budget_is_kept_and_each_step_is_recorded(tmp_path: Path) -> None:
     assert len(files) <= 8, files
     assert all(p.parent == tmp_path for p in files)
     assert {"summary.json", "logs.tar.gz"} <= {p.name for p in files}
+
+
+def test_the_bench_step_takes_one_checkpoint_sample() -> None:
+    """Three fsynced checkpoint samples of `medium` per point (~38 GB of writes) put
+    `medium fsdp` past the bench step's cap on a lent GPU (issue 51)."""
+    text = SCRIPT.read_text()
+    bench = text[text.index("step bench ") : text.index("step estimate_agreement")]
+    assert "--ckpt-samples 1" in bench

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from checkpoint_io._errors import CheckpointError
+from checkpoint_io._files import open_regular
 from checkpoint_io._safe import inside
 from dist_core import on_device
 
@@ -51,7 +52,7 @@ FileTable = dict[str, dict[str, Any]]
 def file_entry(file: Path) -> dict[str, Any]:
     """``{"bytes": size, "xxh3_128": digest}`` of one file, mapped a window at a time."""
     digest = xxhash.xxh3_128()
-    with file.open("rb") as stream:
+    with open_regular(file) as stream:
         size = os.fstat(stream.fileno()).st_size
         for offset in range(0, size, _WINDOW):
             length = min(_WINDOW, size - offset)
@@ -64,7 +65,7 @@ def _wsum64(file: Path) -> str:
     """Format 2's checksum of one file (see the module's docstring)."""
     total = weighted = 0
     blocks = 0
-    with file.open("rb") as stream:
+    with open_regular(file) as stream:
         size = os.fstat(stream.fileno()).st_size
         for offset in range(0, size, _WINDOW):
             length = min(_WINDOW, size - offset)

@@ -42,3 +42,21 @@ def fsync_tree(root: Path) -> None:
     """Flush every directory under ``root`` (and ``root``) once its files are flushed."""
     for folder, _, _ in os.walk(root):
         fsync_dir(Path(folder))
+
+
+def make_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents, each one's entry flushed in its parent.
+
+    A root created on the first save was not itself durable: after a failure its first
+    checkpoints could vanish with its directory entry.
+    """
+    missing = []
+    current = path
+    while not current.exists():
+        missing.append(current)
+        if current.parent == current:
+            break
+        current = current.parent
+    path.mkdir(parents=True, exist_ok=True)
+    for created in reversed(missing):
+        fsync_dir(created.parent)

@@ -106,7 +106,7 @@ def consolidate_checkpoint(path: str | os.PathLike[str], out_file: str | os.Path
         groups = optimizer["param_groups"]
         if isinstance(groups, io.BytesIO):
             groups.seek(0)
-            groups = torch.load(groups, weights_only=True)
+            groups = torch.load(groups, weights_only=True, map_location="cpu")
         optimizer = {"state": optimizer.get("state", {}), "param_groups": groups}
     result: dict[str, Any] = {
         "model": everything.get(_state.MODEL, {}),

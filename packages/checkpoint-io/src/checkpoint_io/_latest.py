@@ -75,7 +75,26 @@ def incomplete_reason(path: Path) -> str | None:
             _state.check_files(path, metadata)
     except (OSError, CheckpointError) as error:
         return str(error)
+    except (TypeError, AttributeError, KeyError, IndexError, RecursionError) as error:
+        # A manifest or index of the wrong shape (a list where a table belongs, fields of
+        # the wrong type): a malformed directory, skipped, never a crash of the caller.
+        return f"malformed ({type(error).__name__}: {error})"
     return None
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete ``step-<N>`` checkpoints under ``root``, newest first.
+
+    Incomplete, damaged and malformed ones are skipped, each with a warning naming why.
+    """
+    found = []
+    for _, candidate in reversed(step_checkpoints(root)):
+        reason = incomplete_reason(candidate)
+        if reason is None:
+            found.append(candidate)
+        else:
+            logger.warning("skipping %s, which is not complete: %s", candidate, reason)
+    return found
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:

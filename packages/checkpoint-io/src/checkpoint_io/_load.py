@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import pickle
 import time
@@ -20,6 +21,7 @@ from checkpoint_io._collective import agree, single_process_quiet
 from checkpoint_io._compat import CheckpointException
 from checkpoint_io._digest import check_digests, check_sizes, file_entry, share
 from checkpoint_io._errors import CheckpointError
+from checkpoint_io._files import read_regular
 from checkpoint_io._manifest import RNG_DIR, CheckpointInfo, info_from, read_manifest
 from checkpoint_io._safe import (
     SafeLoadPlanner,
@@ -295,7 +297,9 @@ def derived_rng_seed(root: Path, manifest: Mapping[str, Any], new_rank: int) -> 
 def _saved_rng_state(root: Path) -> RngState:
     file = inside(root, f"{RNG_DIR}/rank{rank()}.pt", source=str(root / "checkpoint.json"))
     try:
-        state: RngState = torch.load(file, weights_only=True)
+        state: RngState = torch.load(io.BytesIO(read_regular(file)), weights_only=True)
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as error:
         raise CheckpointError(
             f"{file} was refused as unsafe: it holds something other than an RNG state "

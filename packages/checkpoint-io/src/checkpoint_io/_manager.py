@@ -18,9 +18,12 @@ from torch import nn
 
 from checkpoint_io._async import start_async_save
 from checkpoint_io._collective import from_rank0, gloo_group
+from checkpoint_io._durable import make_dirs
+from checkpoint_io._errors import CheckpointError
 from checkpoint_io._inflight import PendingCheckpoint
 from checkpoint_io._latest import (
     check_root,
+    complete_checkpoints,
     latest_checkpoint,
     prune,
     remove_leftovers,
@@ -134,7 +137,7 @@ class CheckpointManager:
             return None
         path = step_path(self.root, step)
         if rank() == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.root)  # durable too: the root may be new
         if self.async_save and not stopping:
             self._pending = start_async_save(
                 path,
@@ -173,24 +176,35 @@ class CheckpointManager:
     ) -> int:
         """Load the latest complete checkpoint; return its step, the step to start from.
 
-        Collective: rank 0 chooses the checkpoint and removes the temporary directories of
-        saves that never finished; every rank loads it (any strategy, any world size).
+        Collective: rank 0 lists the complete checkpoints (newest first) and removes the
+        temporary directories of saves that never finished; every rank loads the newest
+        (any strategy, any world size). When it fails to load (a flipped bit, a malformed
+        manifest), every rank warns, naming it and the reason, and tries the next older one.
 
         Returns:
             The saved step (0 when there is no checkpoint yet: start from the beginning).
         """
-        chosen = None
+        candidates: list[Path] = []
         if rank() == 0:
             remove_leftovers(self.root)
-            chosen = latest_checkpoint(self.root)
-        path = from_rank0(chosen)
-        if path is None:
-            log_rank0(logger, logging.INFO, "no checkpoint under %s: starting at step 0", self.root)
-            return 0
-        info = load_checkpoint(path, model, optimizer, stateful=stateful)
-        step = info.step if info.step is not None else int(path.name.split("-")[-1])
-        log_rank0(logger, logging.INFO, "resuming from %s at step %d", path, step)
-        return step
+            candidates = complete_checkpoints(self.root)
+        for path in from_rank0(candidates):
+            try:  # collective: every rank gets the same outcome
+                info = load_checkpoint(path, model, optimizer, stateful=stateful)
+                step = _resume_step(info.step, path)
+            except CheckpointError as error:
+                log_rank0(
+                    logger,
+                    logging.WARNING,
+                    "cannot resume from %s (%s); trying the next older checkpoint",
+                    path,
+                    error,
+                )
+                continue
+            log_rank0(logger, logging.INFO, "resuming from %s at step %d", path, step)
+            return step
+        log_rank0(logger, logging.INFO, "no checkpoint under %s: starting at step 0", self.root)
+        return 0
 
     def wait(self) -> Path | None:
         """Wait for a background save; its path (``None`` if none was in flight)."""
@@ -245,6 +259,22 @@ def _handler(manager: CheckpointManager) -> Callable[[int, types.FrameType | Non
 
 def _restore(previous: _Handler) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _resume_step(saved: object, path: Path) -> int:
+    """The step to resume at: the manifest's, which must be a non-negative int.
+
+    Raises:
+        CheckpointError: A step of another type or a negative one (a malformed manifest).
+    """
+    if saved is None:
+        return int(path.name.split("-")[-1])  # canonical step-<N> names only (_latest)
+    if isinstance(saved, bool) or not isinstance(saved, int) or saved < 0:
+        raise CheckpointError(
+            f"{path}'s manifest gives the step as {saved!r}; a step is an int >= 0 "
+            "(a malformed checkpoint)"
+        )
+    return saved
 
 
 def _positive(name: str, value: object) -> int:

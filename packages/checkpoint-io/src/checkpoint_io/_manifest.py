@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint_io._errors import CheckpointError
+from checkpoint_io._files import read_regular
 
 FORMAT = "checkpoint_io"
 # 2: a table of every file's size and checksum ("files") replaces the gathered model fingerprint.
@@ -63,9 +64,11 @@ def read_manifest(path: Path) -> dict[str, Any]:
             "save_checkpoint holds one); pass the directory save_checkpoint returned"
         )
     try:
-        manifest = json.loads(file.read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{file} is unreadable or corrupt ({error})") from error
+        manifest = json.loads(read_regular(file).decode())
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: nested too deep
+        raise CheckpointError(f"{file} is unreadable or corrupt ({error})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{file} is not a checkpoint-io manifest")
     version = manifest.get("format_version")

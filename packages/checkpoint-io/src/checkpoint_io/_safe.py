@@ -11,9 +11,13 @@ before anything is changed.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import io
 import os
 import pickle
+import pickletools
+import zipfile
 from pathlib import Path, PurePosixPath
 from typing import Any, ClassVar
 
@@ -25,6 +29,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from checkpoint_io._compat import EmptyStateDictLoadPlanner, set_element
 from checkpoint_io._errors import CheckpointError
+from checkpoint_io._files import open_regular
 
 # What DCP's .metadata may hold (module -> names): its own index types and the torch values
 # inside them. Nothing here runs code when rebuilt beyond constructing these values.
@@ -68,14 +73,43 @@ class _MetadataUnpickler(pickle._Unpickler):
     def __init__(self, file: Any, source: str) -> None:
         super().__init__(file)
         self.source = source
+        self._built: dict[int, Any] = {}  # the dataclass instances this unpickling created
 
     def _load_build(self) -> None:
+        # BUILD sets attributes on its target. Only on an instance this unpickling created of
+        # an admitted dataclass: on a class, an enum member (_MEM_FORMAT_ENCODING(0)'s
+        # _value_ set to 7 broke every later save) or a function (_get_layout's cache), it
+        # would change the process.
         target = self.stack[-2] if len(self.stack) > 1 else None
         if isinstance(target, type):
             raise self._refuse(f"a change to the class {target.__module__}.{target.__qualname__}")
+        if self._built.get(id(target)) is not target:
+            kind = type(target)
+            raise self._refuse(
+                f"a change to an object it did not create ({kind.__module__}.{kind.__qualname__})"
+            )
         pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
 
     dispatch[pickle.BUILD[0]] = _load_build
+
+    def _created(self, handler: Any) -> None:
+        handler(self)
+        made = self.stack[-1]
+        if dataclasses.is_dataclass(made) and not isinstance(made, type | enum.Enum):
+            self._built[id(made)] = made
+
+    def _load_newobj(self) -> None:
+        self._created(pickle._Unpickler.load_newobj)  # type: ignore[attr-defined]
+
+    def _load_newobj_ex(self) -> None:
+        self._created(pickle._Unpickler.load_newobj_ex)  # type: ignore[attr-defined]
+
+    def _load_reduce(self) -> None:
+        self._created(pickle._Unpickler.load_reduce)  # type: ignore[attr-defined]
+
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
+    dispatch[pickle.REDUCE[0]] = _load_reduce
 
     def persistent_load(self, pid: Any) -> Any:
         raise self._refuse("a persistent id")
@@ -104,7 +138,7 @@ def read_metadata(path: Path) -> Metadata:
     """
     file = path / ".metadata"
     try:
-        with file.open("rb") as stream:
+        with open_regular(file) as stream:
             metadata = _MetadataUnpickler(stream, str(file)).load()
     except CheckpointError:
         raise
@@ -175,6 +209,12 @@ def load_value(data: io.BytesIO | bytes, what: str, map_location: Any = None) ->
     """
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     try:
+        problem = _unbounded(stream.getvalue())
+        if problem is not None:
+            raise CheckpointError(
+                f"{what} was refused as unsafe: it holds {problem}, which can make a few bytes "
+                "read as gigabytes. Nothing was loaded"
+            )
         # io.BytesIO is admitted: the optimizer's parameter groups are stored as one (its
         # bytes are read weights_only in turn, below); rebuilding one runs nothing.
         with torch.serialization.safe_globals([io.BytesIO]):
@@ -193,6 +233,51 @@ def load_value(data: io.BytesIO | bytes, what: str, map_location: Any = None) ->
         raise CheckpointError(f"{what} cannot be read ({type(error).__name__}: {error})") from None
 
 
+_REFUSED_GLOBALS = {("builtins", "bytearray"), ("__builtin__", "bytearray")}
+"""Admitted by torch's ``weights_only`` unpickler, refused here: ``bytearray(n)`` makes ``n``
+bytes out of a few (a 656-byte stateful file loaded at 1.8 GB)."""
+
+
+def _unbounded(data: bytes) -> str | None:
+    """What in a ``torch.save`` payload could expand beyond its own size, or ``None``.
+
+    torch writes an uncompressed zip: a compressed member (about 1,000:1 with deflate) or a
+    pickle that builds a ``bytearray`` is refused, as is anything that is not such a zip.
+    """
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        members = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError):
+        return "data that is not torch.save's format (an uncompressed zip)"
+    for member in members:
+        if member.compress_type != zipfile.ZIP_STORED:
+            return f"a compressed record ({member.filename})"
+    for member in members:
+        if member.filename.endswith("data.pkl"):
+            found = _refused_global(archive.read(member))
+            if found is not None:
+                return found
+    return None
+
+
+def _refused_global(pickled: bytes) -> str | None:
+    """The first refused global a pickle names (``GLOBAL`` or ``STACK_GLOBAL``), or ``None``."""
+    strings: list[str] = []
+    try:
+        for opcode, arg, _ in pickletools.genops(pickled):
+            if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+                strings.append(str(arg))
+            elif opcode.name == "GLOBAL":
+                module, _, name = str(arg).partition(" ")
+                if (module, name) in _REFUSED_GLOBALS:
+                    return f"a {name}"
+            elif opcode.name == "STACK_GLOBAL" and tuple(strings[-2:]) in _REFUSED_GLOBALS:
+                return f"a {strings[-1]}"
+    except Exception:  # malformed: torch's unpickler refuses it with its own reason
+        return None
+    return None
+
+
 def _check_buffers(value: Any, what: str) -> None:
     """Every ``BytesIO`` inside ``value`` is a plain one whose bytes read ``weights_only``.
 
@@ -206,7 +291,7 @@ def _check_buffers(value: Any, what: str) -> None:
                 "own. Nothing was loaded"
             )
         position = value.tell()
-        load_value(value.getvalue(), what)
+        load_value(value.getvalue(), what, "cpu")  # a check: never onto a saved device
         value.seek(position)
     elif isinstance(value, dict):
         for item in value.values():
@@ -226,8 +311,11 @@ def safe_bytes(value: Any, what: str) -> bytes:
     torch.save(value, buffer)
     buffer.seek(0)
     try:
+        problem = _unbounded(buffer.getvalue())
+        if problem is not None:
+            raise pickle.UnpicklingError(f"it holds {problem}, which a checkpoint refuses")
         with torch.serialization.safe_globals([io.BytesIO]):
-            torch.load(buffer, weights_only=True)
+            torch.load(buffer, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as error:
         raise TypeError(
             f"{what} holds a value that a checkpoint cannot read back safely "
@@ -318,7 +406,7 @@ def check_values(root: Path, metadata: Metadata) -> None:
         if getattr(info, "transform_descriptors", None):
             continue  # an encoded value: read (weights_only) by the load planner instead
         file = inside(root, str(info.relative_path), source=str(root / ".metadata"))
-        with file.open("rb") as stream:
+        with open_regular(file) as stream:
             stream.seek(int(info.offset))
             data = stream.read(int(info.length))
         load_value(data, f"the checkpoint's value {index.fqn!r} (in {file.name})", "cpu")

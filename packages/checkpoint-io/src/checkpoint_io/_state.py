@@ -96,7 +96,7 @@ def load_optimizer(
     index = {name: i for i, name in enumerate(names)}
     buffer = loaded["param_groups"]
     buffer.seek(0)
-    saved_groups = torch.load(buffer, weights_only=True)
+    saved_groups = torch.load(buffer, weights_only=True, map_location="cpu")
     current = [
         [names[i] for i in range(start, start + len(g["params"]))]
         for start, g in _starts(optimizer)

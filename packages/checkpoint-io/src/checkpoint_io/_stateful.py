@@ -29,6 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from checkpoint_io._errors import CheckpointError
+from checkpoint_io._files import read_regular
 from checkpoint_io._safe import inside, load_value, safe_bytes
 
 STATEFUL_DIR = "stateful"
@@ -253,6 +254,6 @@ def plan_load(
 
 def _read(file: Path) -> bytes:
     try:
-        return file.read_bytes()
+        return read_regular(file)
     except OSError as error:
         raise CheckpointError(f"{file} is missing or unreadable ({error})") from None
