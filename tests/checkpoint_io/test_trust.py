@@ -532,3 +532,30 @@ def test_build_on_an_enum_member_or_a_function_is_refused(tmp_path: Path) -> Non
     model, _ = trained()  # the process still saves and loads
     path = save_checkpoint(tmp_path / "c", model)
     load_checkpoint(path, Small())
+
+
+def test_names_reach_the_terminal_escaped_and_buffers_nest_one_level(tmp_path: Path) -> None:
+    """Issue 51 (8, 4): a key with terminal control bytes is printed escaped by inspect; a
+    byte buffer inside a byte buffer is refused (K buffers D deep made K^D loads)."""
+    import io
+
+    from checkpoint_io._safe import load_value
+
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_parameter("x\x1b[2Jy", nn.Parameter(torch.ones(2)))
+
+    path = save_checkpoint(tmp_path / "c", Odd())
+    done = checkpoint_cli("inspect", str(path))
+    assert done.returncode == 0, done.stderr
+    assert "\x1b" not in done.stdout and "x\\x1b[2Jy" in done.stdout
+    inner = io.BytesIO()
+    torch.save({"lr": 0.1}, inner)
+    outer = io.BytesIO()
+    torch.save({"groups": inner}, outer)
+    assert load_value(outer.getvalue(), "one level")["groups"].getvalue() == inner.getvalue()
+    deeper = io.BytesIO()
+    torch.save({"groups": outer}, deeper)
+    with pytest.raises(CheckpointError, match="a byte buffer inside a byte buffer"):
+        load_value(deeper.getvalue(), "two levels")

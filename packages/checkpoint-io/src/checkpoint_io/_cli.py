@@ -47,9 +47,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = consolidate_checkpoint(args.path, args.out)
             sys.stdout.write(f"wrote {out}\n")
     except (FileNotFoundError, CheckpointError, OSError) as error:
-        sys.stderr.write(f"checkpoint_io: error: {error}\n")
+        sys.stderr.write(f"checkpoint_io: error: {_printable(str(error))}\n")
+        return USAGE_EXIT
+    except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as error:
+        # A manifest or index of the wrong shape: one line, not a traceback.
+        sys.stderr.write(
+            f"checkpoint_io: error: {_printable(str(args.path))} is malformed "
+            f"({type(error).__name__}: {_printable(str(error))})\n"
+        )
         return USAGE_EXIT
     return 0
+
+
+def _printable(text: str) -> str:
+    """``text`` with its control and format characters escaped, as ``repr`` writes them.
+
+    Names read from a checkpoint never reach the terminal as escape sequences.
+    """
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _inspect(path: Path, *, fingerprint: bool) -> None:
@@ -58,7 +73,11 @@ def _inspect(path: Path, *, fingerprint: bool) -> None:
     out = sys.stdout
     out.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n\n")
     rows = [
-        (key, "x".join(str(d) for d in storage.size) or "scalar", str(storage.properties.dtype))
+        (
+            _printable(key),
+            "x".join(str(d) for d in storage.size) or "scalar",
+            str(storage.properties.dtype),
+        )
         for key, storage in sorted(metadata.state_dict_metadata.items())
         if isinstance(storage, TensorStorageMetadata)
     ]
