@@ -7,7 +7,8 @@ run published:
 - MPT (mosaicml/llm-foundry, ``scripts/train/yamls/pretrain/mpt-7b.yaml`` / ``mpt-13b.yaml``
   and MPTConfig's defaults): learned positions of ``max_seq_len``, biases, low-precision
   LayerNorm with bias, a 4x GELU MLP, a head tied to the token embedding (vocabulary 50368),
-  a cross-entropy on the logits' own dtype (LLM Foundry's fused one). At 2048
+  a cross-entropy that keeps the logits' own dtype and writes its gradient over them (LLM
+  Foundry's fused one). At 2048
   positions MPT-7B has 6,658,859,008 parameters and MPT-13B 12,853,954,560, the ``NumParams``
   of LLM Foundry's benchmark table.
 - Llama 3.1 8B (pytorch/torchtitan ``torchtitan/models/llama``): RMSNorm, grouped-query
@@ -23,6 +24,8 @@ Estimate one with::
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,6 +64,39 @@ class LPLayerNorm(nn.LayerNorm):
                 self.bias.to(dtype),
                 self.eps,
             )
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    """Cross-entropy as LLM Foundry's fused kernel runs it (flash-attn's, ``inplace_backward``).
+
+    It keeps the logits in their own dtype and the per-token log-sum-exp, and writes the
+    gradient over the logits in place: no fp32 copy, no second logits-sized tensor.
+    """
+
+    CHUNK = 4096  # rows at a time: the fp32 temporaries stay small
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        rows = []
+        for start in range(0, logits.shape[0], _FusedCrossEntropy.CHUNK):
+            block = logits[start : start + _FusedCrossEntropy.CHUNK].float()
+            rows.append(torch.logsumexp(block, dim=-1))
+        lse = torch.cat(rows)
+        picked = logits.gather(1, targets[:, None]).squeeze(1).float()
+        ctx.save_for_backward(logits, targets, lse)
+        return (lse - picked).mean()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, targets, lse = ctx.saved_tensors
+        scale = grad / logits.shape[0]
+        for start in range(0, logits.shape[0], _FusedCrossEntropy.CHUNK):
+            stop = start + _FusedCrossEntropy.CHUNK
+            block = logits[start:stop]
+            probs = torch.exp(block.float() - lse[start:stop, None])
+            probs[torch.arange(block.shape[0], device=block.device), targets[start:stop]] -= 1
+            block.copy_(probs * scale)
+        return logits, None
 
 
 class MPTBlock(nn.Module):
@@ -112,10 +148,8 @@ class MPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = functional.linear(self.norm_f(x), self.wte.weight)  # tied to the embedding
-        # LLM Foundry's fused cross-entropy works on the logits in their own dtype (no fp32
-        # copy of them, which autocast's cross_entropy would make).
-        with torch.autocast(logits.device.type, enabled=False):
-            return functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss: torch.Tensor = _FusedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten())
+        return loss
 
 
 def mpt_7b() -> MPT:

@@ -441,6 +441,10 @@ def test_user_model_end_to_end(
         (["run", "--grad-accum", "0"], "--grad-accum must be >= 1 (micro-batches per optimizer"),
         (["estimate", "--grad-accum", "-2"], "--grad-accum must be >= 1"),
         (
+            ["estimate", "--grad-accum-sync", "every"],
+            "--grad-accum-sync every says how an accumulation reduces; add --grad-accum N",
+        ),
+        (
             ["estimate", "--activation-checkpointing", "some"],
             "argument --activation-checkpointing: invalid choice: 'some'",
         ),

@@ -372,3 +372,23 @@ def test_nothing_to_predict_from_is_no_prediction_and_mfu_stays_below_one(
     )
     mfu = predict(fsdp, model)["predicted_mfu"]
     assert 0 < mfu <= 0.4 + 1e-9
+
+
+def test_accumulation_that_reduces_every_micro_batch_exposes_each_ones_reduction(
+    fake_rows: dict[tuple[str, int, str], dict[str, Any]],
+) -> None:
+    """grad_accum_sync=every: 2 micro-steps reduce-scatter twice the bytes, and each one's
+    last reduce-scatter is exposed; with compute that hides everything else, the step waits
+    for one more unit's reduce-scatter than with one reduction after the last micro-step."""
+    row = {**fake_rows[("fsdp", 8, "accum")], "flops_per_sample": 1e12}
+    once = predict(row, _model(flops_rate=1e9))["predicted_parts_ms"]
+    every = {**row, "knobs": {**row["knobs"], "grad_accum_sync": "every"}}
+    every["comm_bytes_by_dim"] = {
+        dim: {kind: (2 * v if kind == "reduce_scatter" else v) for kind, v in kinds.items()}
+        for dim, kinds in row["comm_bytes_by_dim"].items()
+    }
+    each = predict(every, _model(flops_rate=1e9))["predicted_parts_ms"]
+    units = row["comm_calls_per_step"]["reduce_scatter"]
+    one_unit = once["comm"]["reduce_scatter@shard"] / units
+    exposed_once, exposed_each = (sum(p["exposed_comm"].values()) for p in (once, each))
+    assert exposed_each == pytest.approx(exposed_once + one_unit, rel=1e-6)

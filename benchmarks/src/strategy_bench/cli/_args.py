@@ -12,6 +12,7 @@ from strategy_bench._errors import BenchUsageError
 from strategy_bench.measure import RunOptions
 from strategy_bench.results import read_results
 from strategy_bench.workload import (
+    ACCUM_SYNC,
     CHECKPOINT_MODES,
     CPU_DEFAULT_MODELS,
     ESTIMATE_DEFAULT_MODELS,
@@ -207,6 +208,14 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="micro-batches of --batch-size per optimizer step (no_sync on all but the last)",
     )
+    group.add_argument(
+        "--grad-accum-sync",
+        choices=ACCUM_SYNC,
+        default=None,
+        help="with --grad-accum: reduce on the last micro-batch only (default: grad-sync's "
+        "no_sync, unsharded gradients held until then) or on every one (Composer's and "
+        "torchtitan's FSDP accumulation: a reduce-scatter each, sharded gradients held)",
+    )
 
 
 def recipe_knobs(args: argparse.Namespace) -> dict[str, Any]:
@@ -231,6 +240,14 @@ def recipe_knobs(args: argparse.Namespace) -> dict[str, Any]:
             )
         if args.grad_accum > 1:
             knobs["grad_accum"] = args.grad_accum
+    if args.grad_accum_sync is not None:
+        if "grad_accum" not in knobs:
+            raise BenchUsageError(
+                f"--grad-accum-sync {args.grad_accum_sync} says how an accumulation reduces; "
+                "add --grad-accum N (N >= 2)"
+            )
+        if args.grad_accum_sync == "every":
+            knobs["grad_accum_sync"] = "every"
     return knobs
 
 

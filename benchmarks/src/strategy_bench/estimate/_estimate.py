@@ -49,6 +49,7 @@ from strategy_bench.workload import (
     compute_dtype,
     micro_steps,
     prepare_blocks,
+    syncs_every_micro_step,
     training_optimizer,
 )
 
@@ -132,6 +133,7 @@ def _step(
                 optimizer_step=twins.step,
                 stand_ins=twins.stand_ins,
                 count_comm=comm,
+                sync_every=syncs_every_micro_step(point.knobs),
             )
     if point.strategy == "ddp":
         out.update(_ddp_communication(model))

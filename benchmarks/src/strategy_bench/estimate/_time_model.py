@@ -14,7 +14,8 @@ compute, backward two thirds, as their FLOPs are):
 * FSDP: each unit's all-gather is prefetched one unit ahead, in forward and again in
   backward (``reshard_after_forward``), and its reduce-scatter runs behind the next unit's
   backward: ``exposed = first gather + (units - 1) * max(0, a unit's comm - its compute) +
-  last reduce-scatter``, per micro-step (the reduce-scatters on the last one only).
+  last reduce-scatter``, per micro-step (the reduce-scatters on the last one only; on every
+  one with ``grad_accum_sync=every``).
 * HSDP: FSDP within the shard group, plus the all-reduce of each unit's reduced shard across
   the replicas, behind backward after its reduce-scatter (the last one exposed).
 
@@ -34,7 +35,7 @@ from typing import Any
 
 from strategy_bench.estimate._time_inputs import TimeModel, point_key
 from strategy_bench.measure import collective_seconds
-from strategy_bench.workload import checkpoint_mode, micro_steps
+from strategy_bench.workload import checkpoint_mode, micro_steps, syncs_every_micro_step
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 """torch's DDP ``bucket_cap_mb`` default."""
@@ -169,7 +170,8 @@ def predict(
         hidden_total = last_bucket + max(0.0, total - last_bucket - backward)
     else:
         sizes = [int(size) for size in row.get("all_gather_bytes_by_call") or ()]
-        hidden_total = _fsdp_exposed(comm, calls, knobs, forward, backward, micro, sizes)
+        every = syncs_every_micro_step(knobs)
+        hidden_total = _fsdp_exposed(comm, calls, knobs, forward, backward, micro, sizes, every)
     # What the step waits for, by collective and mesh dimension (each its share of the total).
     exposed = {key: hidden_total * value / total for key, value in comm.items()} if total else {}
     step = compute + hidden_total
@@ -243,6 +245,7 @@ def _fsdp_exposed(
     backward: float,
     micro: int,
     sizes: Sequence[int] = (),
+    sync_every: bool = False,
 ) -> float:
     """Unit by unit: gathers one unit ahead, reduce-scatters (and replica all-reduces) behind.
 
@@ -273,6 +276,8 @@ def _fsdp_exposed(
     bwd_gathers = times[units:] if reshard else []
     unit_fwd, unit_bwd = forward / units, backward / units
     r_s, a_r = scatters / units, reduces / units  # the last micro-step only
+    if sync_every:  # every micro-step reduces (grad_accum_sync=every): each is a last one
+        r_s, a_r = r_s / micro, a_r / micro
     exposed_fwd = fwd_gathers[0] + sum(max(0.0, g - unit_fwd) for g in fwd_gathers[1:])
     # Backward: units in reverse; a unit that was not regathered (the root) waits for none.
     first_backward = bwd_gathers[0] if len(bwd_gathers) == units else 0.0
@@ -280,6 +285,8 @@ def _fsdp_exposed(
     rest = rest + [0.0] * (units - 1 - len(rest))
     last = first_backward + sum(max(0.0, g + r_s + a_r - unit_bwd) for g in rest) + r_s + a_r
     early = first_backward + sum(max(0.0, g - unit_bwd) for g in rest)  # no reduction
+    if sync_every:
+        return micro * (exposed_fwd + last)
     return micro * exposed_fwd + last + (micro - 1) * early
 
 

@@ -220,16 +220,19 @@ def accumulate(
     autocast: contextlib.AbstractContextManager[Any],
     saved: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     phase: Callable[[str], None] | None = None,
+    *,
+    sync_every: bool = False,
 ) -> None:
     """Forward and backward of one optimizer step: ``len(batches)`` micro-batches.
 
     Every micro-step but the last runs under grad-sync's ``no_sync`` (no gradient
-    reduction); each loss is scaled by ``1 / len(batches)``, so the accumulated gradient is
-    the mean over the micro-batches. ``saved`` wraps each forward (the activation count);
-    ``phase`` is told ``"forward"`` and ``"backward"`` as each begins (the memory timeline).
+    reduction), unless ``sync_every`` (each micro-step reduces: ``grad_accum_sync=every``);
+    each loss is scaled by ``1 / len(batches)``, so the accumulated gradient is the mean
+    over the micro-batches. ``saved`` wraps each forward (the activation count); ``phase``
+    is told ``"forward"`` and ``"backward"`` as each begins (the memory timeline).
     """
     for index, batch in enumerate(batches):
-        last = index == len(batches) - 1
+        last = index == len(batches) - 1 or sync_every
         with contextlib.nullcontext() if last else no_sync(model):
             if phase is not None:
                 phase("forward")
@@ -250,6 +253,7 @@ def account(
     optimizer_step: Callable[[], Any] | None = None,
     stand_ins: Iterable[torch.Tensor] = (),
     count_comm: bool = True,
+    sync_every: bool = False,
 ) -> dict[str, Any]:
     """One more (untimed) optimizer step: memory and communication.
 
@@ -272,6 +276,7 @@ def account(
             tracker, not counted.
         count_comm: ``False``: no :class:`CommBytes` mode (the ``comm_*`` entries are empty);
             the memory figures are the same (a peak-only probe: ``estimate --largest``).
+        sync_every: Reduce on every micro-batch (``grad_accum_sync=every``).
 
     Returns:
         ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``, ``ddp_bucket_bytes``,
@@ -303,7 +308,7 @@ def account(
 
     comm = CommBytes()
     with comm if count_comm else contextlib.nullcontext(), tracker:
-        accumulate(model, loss_fn, batches, autocast, saved, phase)
+        accumulate(model, loss_fn, batches, autocast, saved, phase, sync_every=sync_every)
         phase("optimizer")
         (optimizer_step or optimizer.step)()
     state_bytes = optimizer_bytes(optimizer)

@@ -34,6 +34,7 @@ from strategy_bench.workload import (
     micro_steps,
     needs_compiler,
     prepare_blocks,
+    syncs_every_micro_step,
     training_optimizer,
 )
 
@@ -223,6 +224,7 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     micro = micro_steps(point.knobs)
+    every = syncs_every_micro_step(point.knobs)
     compute = autocast(compute_dtype(point.strategy, point.knobs, options.dtype), device)
     out.update(_compute_only(point, model))
     wrapped = _wrappers.ours(point.strategy, model, device, point.knobs)
@@ -230,7 +232,9 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
     cycle = itertools.cycle(_batches(point))
 
     def step() -> None:
-        accumulate(wrapped, workload.loss, [next(cycle) for _ in range(micro)], compute)
+        accumulate(
+            wrapped, workload.loss, [next(cycle) for _ in range(micro)], compute, sync_every=every
+        )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -244,14 +248,14 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
     batch = [next(cycle) for _ in range(micro)]
     if device.type == "cuda":  # on a GPU the allocator's growth over the step is the figure
         with PeakMemory(device) as tracked:
-            out.update(account(wrapped, optimizer, workload.loss, batch, compute))
+            out.update(account(wrapped, optimizer, workload.loss, batch, compute, sync_every=every))
         # What the step started from, as the tracker counts it (held tensors, DDP's buckets),
         # plus the allocator's growth: not the cuBLAS workspace or cached batches allocated
         # before the step, which no estimate of tensors holds.
         out["allocator_peak_bytes"] = tracked.peak
         out["tracked_peak_bytes"] = out["tracked_entry_bytes"] + tracked.peak - tracked.start
     else:
-        out.update(account(wrapped, optimizer, workload.loss, batch, compute))
+        out.update(account(wrapped, optimizer, workload.loss, batch, compute, sync_every=every))
     if point.options.ckpt_samples > 0:
         checkpoint_cost(
             wrapped,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from strategy_bench.workload._knobs import (
+    ACCUM_SYNC,
     CHECKPOINT_MODES,
     RECIPE_KNOBS,
     checkpoint_mode,
@@ -16,6 +17,7 @@ from strategy_bench.workload._knobs import (
     recipe_for,
     selective_kept,
     step_knobs,
+    syncs_every_micro_step,
     wrap_knobs,
 )
 from strategy_bench.workload._presets import (
@@ -39,6 +41,7 @@ from strategy_bench.workload._workload import (
 )
 
 __all__ = [
+    "ACCUM_SYNC",
     "CHECKPOINT_MODES",
     "CPU_DEFAULT_MODELS",
     "ESTIMATE_DEFAULT_MODELS",
@@ -65,6 +68,7 @@ __all__ = [
     "recipe_for",
     "selective_kept",
     "step_knobs",
+    "syncs_every_micro_step",
     "synthetic_tokens",
     "training_optimizer",
     "wrap_knobs",

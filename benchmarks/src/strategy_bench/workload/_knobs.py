@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from distributed_strategy import select_shard_targets
 from strategy_bench._errors import BenchUsageError, error_summary
 
-STEP_KNOBS = ("grad_accum", "activation_checkpointing", "compile")
+STEP_KNOBS = ("grad_accum", "grad_accum_sync", "activation_checkpointing", "compile")
 """Knobs of the training step, not of the wrapper (not part of ``training.distributed``)."""
 
 
@@ -87,9 +87,16 @@ def compute_dtype(strategy: str | None, knobs: Mapping[str, Any], dtype: str) ->
     return dtype
 
 
-RECIPE_KNOBS = ("param_dtype", "reduce_dtype", "activation_checkpointing", "grad_accum")
+RECIPE_KNOBS = (
+    "param_dtype",
+    "reduce_dtype",
+    "activation_checkpointing",
+    "grad_accum",
+    "grad_accum_sync",
+)
 """The recipe's knobs (``--param-dtype``, ``--reduce-dtype``, ``--activation-checkpointing``,
-``--grad-accum``), the names strategy-config's ``training.distributed`` keys have."""
+``--grad-accum``, ``--grad-accum-sync``), the names strategy-config's ``training.distributed``
+keys have (the last is the bench's: how the accumulation reduces)."""
 
 _FSDP_ONLY = ("param_dtype", "reduce_dtype")
 """FSDP's mixed-precision policy: DDP has none (its bf16 recipe is autocast, see
@@ -112,6 +119,27 @@ def recipe_for(strategy: str, recipe: Mapping[str, Any]) -> dict[str, Any]:
 def ddp_wrap_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
     """The wrapper's knobs for DDP: FSDP's mixed-precision policy left out."""
     return {key: value for key, value in wrap_knobs(knobs).items() if key not in _FSDP_ONLY}
+
+
+ACCUM_SYNC = ("last", "every")
+"""``grad_accum_sync``: reduce the gradients on the ``last`` micro-batch only (grad-sync's
+``no_sync`` on the others: unsharded gradients held until then), or on ``every`` one (what
+Composer and torchtitan do under FSDP: a reduce-scatter per micro-batch, sharded gradients
+held)."""
+
+
+def syncs_every_micro_step(knobs: Mapping[str, Any]) -> bool:
+    """Whether a point reduces its gradients on every micro-batch (``grad_accum_sync``).
+
+    Raises:
+        BenchUsageError: For a value that is not one of :data:`ACCUM_SYNC`.
+    """
+    value = knobs.get("grad_accum_sync", "last")
+    if value not in ACCUM_SYNC:
+        raise BenchUsageError(
+            f"grad_accum_sync must be one of {', '.join(ACCUM_SYNC)}, got {value!r}"
+        )
+    return bool(value == "every")
 
 
 def micro_steps(knobs: Mapping[str, Any]) -> int:
