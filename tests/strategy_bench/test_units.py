@@ -406,3 +406,13 @@ def test_the_probe_times_a_cuda_collective_without_a_host_sync_inside(
     one = ["barrier", "sync", "record", "call", "record"]
     assert log == [*one, *one, "sync"]
     assert seconds == [2.0, 2.0]  # two log entries from start to end, in seconds
+
+
+def test_an_unknown_accumulation_sync_is_refused_by_name() -> None:
+    from strategy_bench._errors import BenchUsageError
+    from strategy_bench.workload import syncs_every_micro_step
+
+    assert syncs_every_micro_step({}) is False
+    assert syncs_every_micro_step({"grad_accum_sync": "every"}) is True
+    with pytest.raises(BenchUsageError, match="grad_accum_sync must be one of last, every, got"):
+        syncs_every_micro_step({"grad_accum_sync": "sometimes"})

@@ -5,7 +5,6 @@ from __future__ import annotations
 from strategy_bench.workload._knobs import (
     ACCUM_SYNC,
     CHECKPOINT_MODES,
-    RECIPE_KNOBS,
     checkpoint_mode,
     compile_unavailable,
     compute_dtype,
@@ -47,7 +46,6 @@ __all__ = [
     "ESTIMATE_DEFAULT_MODELS",
     "GPU_DEFAULT_MODELS",
     "PRESETS",
-    "RECIPE_KNOBS",
     "BenchTransformer",
     "Preset",
     "Workload",

@@ -87,17 +87,6 @@ def compute_dtype(strategy: str | None, knobs: Mapping[str, Any], dtype: str) ->
     return dtype
 
 
-RECIPE_KNOBS = (
-    "param_dtype",
-    "reduce_dtype",
-    "activation_checkpointing",
-    "grad_accum",
-    "grad_accum_sync",
-)
-"""The recipe's knobs (``--param-dtype``, ``--reduce-dtype``, ``--activation-checkpointing``,
-``--grad-accum``, ``--grad-accum-sync``), the names strategy-config's ``training.distributed``
-keys have (the last is the bench's: how the accumulation reduces)."""
-
 _FSDP_ONLY = ("param_dtype", "reduce_dtype")
 """FSDP's mixed-precision policy: DDP has none (its bf16 recipe is autocast, see
 :func:`compute_dtype`; its gradients are all-reduced in the parameters' dtype)."""

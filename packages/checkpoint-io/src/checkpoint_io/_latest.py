@@ -124,12 +124,8 @@ def prune(root: Path, keep_last: int, published: int) -> list[Path]:
     the newer checkpoints of the abandoned run are kept, with a warning, and the count of
     ``keep_last`` runs over the checkpoints at or below ``published`` only. Incomplete
     checkpoints newer than the oldest kept one are left alone. Returns what was removed.
-
-    Raises:
-        ValueError: If ``keep_last`` is below 1 (the published checkpoint is always kept).
+    ``keep_last`` is at least 1 (:class:`CheckpointManager` checks it).
     """
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     everything = step_checkpoints(root)
     newer = [path for step, path in everything if step > published]
     if newer:

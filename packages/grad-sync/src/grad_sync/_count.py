@@ -110,9 +110,7 @@ def data_parallel_size(model: nn.Module) -> int:
 
 def _local_sum(counts: Any) -> int | float:
     items: Iterable[Any]
-    if isinstance(counts, bool):
-        items = [counts]  # refused below, as a count of the wrong type
-    elif isinstance(counts, torch.Tensor | numbers.Number):
+    if isinstance(counts, torch.Tensor | numbers.Number):  # a bool too: refused below
         items = [counts]
     elif isinstance(counts, Iterable) and not isinstance(counts, str | bytes):
         items = list(counts)

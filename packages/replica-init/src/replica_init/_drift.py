@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -12,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dist_core import is_distributed, strategy_of, unwrap_compiled, unwrap_model
-from replica_init._fingerprint import combine, digest_entry
+from replica_init._fingerprint import combine, digest_entry, named_state_tensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,22 +104,14 @@ def _replicated(
 ) -> tuple[dist.ProcessGroup | None, list[tuple[str, torch.Tensor]]]:
     """The replica group and this rank's replicated tensors, sorted by name."""
     strategy = strategy_of(model)
-    inner = unwrap_model(model)
-    named = sorted(_named(inner), key=lambda entry: entry[0])
+    named = list(named_state_tensors(unwrap_model(model)))
     if strategy == "ddp":
         return getattr(unwrap_compiled(model), "process_group", None) or dist.group.WORLD, named
     if strategy == "hsdp":
-        mesh = next(t.device_mesh for _, t in _named(inner) if isinstance(t, DTensor))
+        mesh = next(t.device_mesh for _, t in named if isinstance(t, DTensor))
         local = [(name, t.to_local() if isinstance(t, DTensor) else t) for name, t in named]
         return mesh.get_group(0), local  # HSDP's mesh: (replicate, shard)
     return None, []
-
-
-def _named(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, param in module.named_parameters():
-        yield f"param:{name}", param.detach()
-    for name, buffer in module.named_buffers():
-        yield f"buffer:{name}", buffer
 
 
 def _grad_norm(model: nn.Module) -> float | None:
