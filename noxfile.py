@@ -152,6 +152,8 @@ def tests(session: nox.Session, package: str) -> None:
     _install(session, dist, "test")
     if dist == "checkpoint-io":  # torchdata asks for an unpinned torch: --no-deps
         session.install("--no-deps", *nox.project.dependency_groups(PYPROJECT, "test-torchdata"))
+    if package == "distributed-strategy":  # transformers' models and its from_pretrained
+        session.install(*nox.project.dependency_groups(PYPROJECT, "test-transformers"))
     parallel: list[str] = []
     if dist == "strategy-bench":  # mostly processes starting: two files at a time use both cores
         session.install(*nox.project.dependency_groups(PYPROJECT, "test-parallel"))

@@ -35,6 +35,7 @@ def test_reexports_every_public_name() -> None:
     import dist_core
     import fsdp_wrap
     import grad_sync
+    import hf_io
     import replica_init
     import rng_fork
     import sample_order
@@ -47,6 +48,7 @@ def test_reexports_every_public_name() -> None:
         ddp_wrap,
         fsdp_wrap,
         grad_sync,
+        hf_io,
         checkpoint_io,
         replica_init,
         rng_fork,

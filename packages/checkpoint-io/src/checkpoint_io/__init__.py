@@ -10,6 +10,7 @@ from checkpoint_io._latest import latest_checkpoint
 from checkpoint_io._load import load_checkpoint
 from checkpoint_io._manager import CheckpointManager
 from checkpoint_io._manifest import CheckpointInfo
+from checkpoint_io._reader import SavedModel, saved_model
 from checkpoint_io._save import save_checkpoint
 
 __all__ = [
@@ -17,10 +18,12 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointManager",
     "PendingCheckpoint",
+    "SavedModel",
     "async_save_checkpoint",
     "consolidate_checkpoint",
     "full_state_dict",
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
+    "saved_model",
 ]

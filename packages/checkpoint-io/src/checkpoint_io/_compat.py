@@ -19,15 +19,16 @@ __all__ = [
     "EmptyStateDictLoadPlanner",
     "dcp_failure",
     "default_group_timeout",
-    "load_into_empty",
+    "load_in_process",
     "set_element",
 ]
 
 
-def load_into_empty(state: dict[str, Any], reader: Any, planner: Any) -> None:
-    """DCP's load into an empty ``state`` that ``planner`` rebuilds from the index.
+def load_in_process(state: dict[str, Any], reader: Any, planner: Any) -> None:
+    """DCP's load into ``state`` in this process, with no process group.
 
-    In this process; the public ``dcp.load`` copies back only the keys ``state`` had.
+    With an empty ``state`` and a planner that rebuilds it from the index, the whole
+    checkpoint; the public ``dcp.load`` copies back only the keys ``state`` had.
     """
     _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
 

@@ -32,8 +32,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from checkpoint_io._errors import CheckpointError
-from checkpoint_io._files import open_regular
+from checkpoint_io._errors import CheckpointError, open_regular
 from checkpoint_io._safe import inside
 from dist_core import on_device
 

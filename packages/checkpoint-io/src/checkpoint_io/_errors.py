@@ -1,6 +1,11 @@
-"""The one exception type of checkpoint-io."""
+"""The one exception type of checkpoint-io, and the file openers that raise it."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import BinaryIO
+
+import dist_core
 
 
 class CheckpointError(ValueError):
@@ -9,3 +14,18 @@ class CheckpointError(ValueError):
     Raised on every rank. DCP's own ``CheckpointException`` derives from ``BaseException``
     (``except Exception`` would not catch it); checkpoint-io turns it into this.
     """
+
+
+def open_regular(file: Path) -> BinaryIO:
+    """Open a checkpoint's file: a regular file, not through a link, never blocking.
+
+    Raises:
+        CheckpointError: If it is a symbolic link, a FIFO, a device, a socket or a directory.
+        OSError: If it cannot be opened (missing, no permission).
+    """
+    return dist_core.open_regular(file, error=CheckpointError, holder="a checkpoint")
+
+
+def read_regular(file: Path) -> bytes:
+    """The whole content of a checkpoint's file, opened by :func:`open_regular`."""
+    return dist_core.read_regular(file, error=CheckpointError, holder="a checkpoint")

@@ -11,12 +11,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from checkpoint_io import _compat, _state
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._manifest import read_manifest
 from checkpoint_io._safe import SafeReader, SafeWholePlanner, unsafe_cause
-from dist_core import is_distributed
+from dist_core import is_distributed, unwrap_model
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
@@ -31,7 +32,8 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
             ranks need no host memory for them.
 
     Returns:
-        ``name -> CPU tensor``.
+        ``name -> CPU tensor``, never sharing storage with the model (a later step does not
+        change it, whatever the device).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -40,7 +42,20 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, t
     else:
         options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
         state = get_model_state_dict(model, options=options)  # type: ignore[assignment]
-    return {k: v.detach().cpu() for k, v in state.items()}
+    # Never an alias of the model's own storage (a DDP or plain model on the CPU): the
+    # result is a snapshot, on the CPU as on CUDA, which training does not change.
+    live = {_storage(t) for t in unwrap_model(model).state_dict().values()}
+    return {k: _snapshot(v, live) for k, v in state.items()}
+
+
+def _snapshot(tensor: torch.Tensor, live: set[int]) -> torch.Tensor:
+    copy = tensor.detach().cpu()
+    return copy.clone() if _storage(copy) in live else copy
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return int(local.untyped_storage().data_ptr())
 
 
 def model_fingerprint(path: str | os.PathLike[str]) -> str:
@@ -68,7 +83,7 @@ def _read_whole(root: Path) -> dict[str, Any]:
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            _compat.load_into_empty(whole, SafeReader(root), SafeWholePlanner())  # type: ignore[no-untyped-call]
+            _compat.load_in_process(whole, SafeReader(root), SafeWholePlanner())  # type: ignore[no-untyped-call]
     except CheckpointError:
         raise
     except (Exception, _compat.CheckpointException) as error:  # the latter: a BaseException

@@ -20,8 +20,7 @@ from checkpoint_io import _state
 from checkpoint_io._collective import agree, single_process_quiet
 from checkpoint_io._compat import CheckpointException
 from checkpoint_io._digest import check_digests, check_sizes, file_entry, share
-from checkpoint_io._errors import CheckpointError
-from checkpoint_io._files import read_regular
+from checkpoint_io._errors import CheckpointError, read_regular
 from checkpoint_io._manifest import RNG_DIR, CheckpointInfo, info_from, read_manifest
 from checkpoint_io._safe import (
     SafeLoadPlanner,

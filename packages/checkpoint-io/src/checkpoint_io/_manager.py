@@ -18,7 +18,6 @@ from torch import nn
 
 from checkpoint_io._async import start_async_save
 from checkpoint_io._collective import from_rank0, gloo_group
-from checkpoint_io._durable import make_dirs
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._inflight import PendingCheckpoint
 from checkpoint_io._latest import (
@@ -31,7 +30,7 @@ from checkpoint_io._latest import (
 )
 from checkpoint_io._load import load_checkpoint
 from checkpoint_io._save import save_checkpoint
-from dist_core import log_rank0, rank
+from dist_core import log_rank0, make_dirs, rank
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from checkpoint_io._errors import CheckpointError
-from checkpoint_io._files import read_regular
+from checkpoint_io._errors import CheckpointError, read_regular
 
 FORMAT = "checkpoint_io"
 # 2: a table of every file's size and checksum ("files") replaces the gathered model fingerprint.

@@ -28,8 +28,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from checkpoint_io._compat import EmptyStateDictLoadPlanner, set_element
-from checkpoint_io._errors import CheckpointError
-from checkpoint_io._files import open_regular
+from checkpoint_io._errors import CheckpointError, open_regular
 
 # What DCP's .metadata may hold (module -> names): its own index types and the torch values
 # inside them. Nothing here runs code when rebuilt beyond constructing these values.

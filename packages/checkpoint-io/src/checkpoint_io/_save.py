@@ -22,7 +22,6 @@ from checkpoint_io import _state
 from checkpoint_io._collective import agree, from_rank0, single_process_quiet
 from checkpoint_io._compat import CheckpointException, dcp_failure
 from checkpoint_io._digest import FileTable, HashingWriter, hash_files
-from checkpoint_io._durable import fsync_dir, fsync_file, fsync_tree
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._inflight import settle_in_flight
 from checkpoint_io._manifest import (
@@ -36,7 +35,16 @@ from checkpoint_io._manifest import (
 from checkpoint_io._stateful import StatefulParts
 from checkpoint_io._stateful import collect as collect_stateful
 from checkpoint_io._stateful import file_name as stateful_file
-from dist_core import log_rank0, rank, strategy_of, unwrap_model, world_size
+from dist_core import (
+    fsync_dir,
+    fsync_file,
+    fsync_tree,
+    log_rank0,
+    rank,
+    strategy_of,
+    unwrap_model,
+    world_size,
+)
 from rng_fork import RngState, capture_rng_state
 
 logger = logging.getLogger(__name__)
@@ -193,6 +201,8 @@ def new_manifest(
         "stateful": [] if parts is None else sorted(parts.classes),
         "stateful_state": {} if parts is None else parts.manifest(),
         "rng": rng,
+        "tied": _state.tied_names(model),
+        "model_keys": list(unwrap_model(model).state_dict(keep_vars=True)),
         "extra": dict(extra or {}),
     }
 

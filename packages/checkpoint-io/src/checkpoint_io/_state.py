@@ -43,6 +43,14 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of the model's state-dict names that share one tensor (a tied embedding)."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in unwrap_model(model).state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
 def parameter_names(model: nn.Module) -> dict[int, str]:
     """``id(parameter) -> plain name`` (the same objects the optimizer holds, DTensors too)."""
     return {id(p): name for name, p in unwrap_model(model).named_parameters()}

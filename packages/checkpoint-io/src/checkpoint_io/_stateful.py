@@ -28,8 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from checkpoint_io._errors import CheckpointError
-from checkpoint_io._files import read_regular
+from checkpoint_io._errors import CheckpointError, read_regular
 from checkpoint_io._safe import inside, load_value, safe_bytes
 
 STATEFUL_DIR = "stateful"

@@ -1,7 +1,8 @@
 """The rules every distributed-strategy stage shares, each defined once.
 
 What a device argument means, whether a process group is initialized, the checks before a
-data-parallel wrap, what a model is wrapped in, and how much memory a stage took.
+data-parallel wrap, what a model is wrapped in, how much memory a stage took, how an untrusted
+file is opened and how a written one is made durable.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dist_core._devices import (
     require_device_index,
     resolve_device,
 )
+from dist_core._durable import fsync_dir, fsync_file, fsync_tree, make_dirs
+from dist_core._files import open_regular, read_regular
 from dist_core._group import is_distributed, log_rank0, rank, require_process_group, world_size
 from dist_core._init import DEFAULT_TIMEOUT, init_distributed
 from dist_core._memory import MemoryPeak, current_rss
@@ -38,11 +41,17 @@ __all__ = [
     "check_wrap_preconditions",
     "current_rss",
     "fsdp_modules",
+    "fsync_dir",
+    "fsync_file",
+    "fsync_tree",
     "init_distributed",
     "is_distributed",
     "log_rank0",
+    "make_dirs",
     "on_device",
+    "open_regular",
     "rank",
+    "read_regular",
     "require_current_device",
     "require_device_index",
     "require_process_group",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from torch import nn
 
 from ddp_wrap import wrap_module_ddp
 from dist_core import DeviceLike, MemoryPeak, log_rank0, require_process_group, resolve_device
+from distributed_strategy._pretrained import build_pretrained
 from fsdp_wrap import ShardPolicy, hsdp_mesh, wrap_module_fsdp
 from replica_init import (
     assert_replicas_identical,
@@ -67,6 +69,7 @@ def prepare_model(
     verify: bool = True,
     source: str | None = None,
     shard: ShardPolicy | None = None,
+    pretrained: str | os.PathLike[str] | None = None,
 ) -> nn.Module:
     """Build the model on every rank and wrap it for the configured strategy.
 
@@ -105,6 +108,13 @@ def prepare_model(
             every rank's shards are the built model's (FSDP, after the wrap).
         source: ``"local"`` or ``"rank0"``; ``None`` takes ``config.source``.
         shard: FSDP's shard policy (see ``wrap_module_fsdp``); ignored for DDP.
+        pretrained: A Hugging Face safetensors directory or file to start from instead of
+            the seeded init: the model is built with its parameters on the meta device (no
+            init, no whole copy), sharded (FSDP/HSDP), given storage on the device and loaded
+            by ``hf_io.load_pretrained``, each rank reading only its slices; buffers the file
+            lacks keep the constructor's values. ``seed`` and ``source`` are then unused, and
+            FSDP's shard check against a second copy is skipped (the file is the reference);
+            DDP's replicas are still checked when ``verify``.
 
     Returns:
         The wrapped model: a ``DelegatingDistributedDataParallel`` for DDP, the sharded model
@@ -155,20 +165,36 @@ def prepare_model(
             **settings.fsdp_options(),
         )
 
+    def from_file(wrap: Callable[[nn.Module], nn.Module] | None) -> nn.Module:
+        assert pretrained is not None
+        return build_pretrained(
+            model_cls,
+            init_params,
+            path=pretrained,
+            device=target,
+            default_dtype=default_dtype,
+            policy=policy,
+            wrap=wrap,
+            stages=stages,
+        )
+
     fingerprint: str | None = None
     wrapped: nn.Module
-    if settings.is_ddp:  # the seed's path: a full replica on every device
-        with stages("build"):
-            model = build_replicated_model(
-                model_cls,
-                init_params,
-                device=target,
-                default_dtype=default_dtype,
-                seed=seed,
-                source=settings.source,
-            )
-        with stages("trainable"):
-            model = policy(model)
+    if settings.is_ddp:  # a full replica on every device: seeded (the seed's path) or loaded
+        if pretrained is not None:
+            model = from_file(None)
+        else:
+            with stages("build"):
+                model = build_replicated_model(
+                    model_cls,
+                    init_params,
+                    device=target,
+                    default_dtype=default_dtype,
+                    seed=seed,
+                    source=settings.source,
+                )
+            with stages("trainable"):
+                model = policy(model)
         if verify:
             with stages("verify"):
                 fingerprint = assert_replicas_identical(model)
@@ -177,6 +203,8 @@ def prepare_model(
             wrapped = wrap_module_ddp(
                 model, device=target, forward_methods=names, **settings.ddp_options()
             )
+    elif pretrained is not None:  # sharded on meta, then each rank loads its slices
+        wrapped = from_file(shard_it)
     else:  # never the whole model on the device: built on the host (or meta), then sharded
         built = build_sharded_model(
             model_cls,
@@ -201,7 +229,7 @@ def prepare_model(
         dist.get_world_size(),
         counted["total"],
         counted["trainable"],
-        settings.source,
+        "pretrained" if pretrained is not None else settings.source,
         "replicas" if settings.is_ddp else "shards",
         ("identical" if settings.is_ddp else "verified") + f" ({fingerprint[:12]})"
         if fingerprint

@@ -90,6 +90,33 @@ def build_on_meta(
     return model
 
 
+def build_structure(
+    model_cls: ModelFactory, params: Mapping[str, Any], default_dtype: torch.dtype
+) -> nn.Module:
+    """Construct the model with its parameters on the meta device and its buffers real.
+
+    For weights that come from a file: no parameter is allocated or initialized (each is
+    moved to the meta device as it is registered, before the constructor's init runs on it),
+    while buffers (rotary tables, masks, non-persistent ones a file does not hold) keep the
+    values the constructor gives them, on the CPU. No RNG stream is consumed.
+    """
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    with fork_rng(), _default_dtype(default_dtype), _cpu_construction():
+        nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+        try:
+            model = model_cls(**params)
+        finally:
+            nn.Module.register_parameter = register  # type: ignore[method-assign]
+    check_is_module(model_cls, model)
+    return model
+
+
 def check_build_arguments(
     model_cls: object, init_params: object, default_dtype: object
 ) -> dict[str, Any]:

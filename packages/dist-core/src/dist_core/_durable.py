@@ -2,7 +2,7 @@
 
 A rename is atomic but not durable: after a power or kernel failure the new directory entry,
 the manifest or a data file may be lost while the checkpoint it replaced was already removed.
-Every file checkpoint-io writes, the checkpoint directory and its parent are fsynced before
+Every file checkpoint-io (or hf-io) writes, the directory and its parent are fsynced before
 the checkpoint is published and before ``overwrite`` or ``keep_last`` removes an older one.
 DCP fsyncs its own data files and ``.metadata`` (``FileSystemWriter(sync_files=True)``, its
 default).

@@ -1,0 +1,7 @@
+"""``python -m hf_io export CKPT OUT``."""
+
+from __future__ import annotations
+
+from hf_io._cli import main
+
+raise SystemExit(main())

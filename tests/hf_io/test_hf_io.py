@@ -1,0 +1,216 @@
+"""hf-io: safetensors in and out, ties and integer buffers, refusals, crafted headers."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from checkpoint_io import save_checkpoint
+from dist_harness import run_ranks
+from hf_io import load_pretrained, save_pretrained
+from hf_io._cli import main
+from hf_io_workers import TiedNet, torch_wrapped
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_round_trip_keeps_ties_integer_buffers_and_leaves_out_non_persistent(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    source = TiedNet()
+    out = save_pretrained(source, tmp_path / "out")
+    stored = load_file(out / "model.safetensors")
+    assert sorted(stored) == ["body.bias", "body.weight", "counts", "embed.weight"]  # tie once
+    assert stored["counts"].dtype == torch.int64 and torch.equal(stored["counts"], source.counts)
+    target = TiedNet()
+    target.counts.zero_()
+    info = load_pretrained(target, out)
+    assert _same(_state(target), _state(source))
+    assert target.head.weight is target.embed.weight
+    assert info.tied == (("embed.weight", "head.weight"),) and not info.missing
+    assert info.bytes_read == sum(t.numel() * t.element_size() for t in stored.values())
+
+
+def test_values_are_cast_to_the_parameter_dtype(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = TiedNet()
+    save_pretrained(source, tmp_path / "out")
+    target = TiedNet().to(torch.bfloat16)
+    target.counts = source.counts.clone()  # integer: stays int64
+    load_pretrained(target, tmp_path / "out")
+    assert torch.equal(target.body.weight, source.body.weight.to(torch.bfloat16))
+
+
+def test_key_map_both_ways(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = TiedNet()
+    save_pretrained(source, tmp_path / "out", key_map=lambda name: "model." + name)
+    assert "model.embed.weight" in load_file(tmp_path / "out" / "model.safetensors")
+    target = TiedNet()
+    load_pretrained(target, tmp_path / "out", key_map=lambda name: name.removeprefix("model."))
+    assert _same(_state(target), _state(source))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda s: s.pop("body.bias"), r"missing from the file: 'body.bias'"),
+        (lambda s: s.update(extra=torch.zeros(2)), r"not in the model: 'extra'"),
+        (lambda s: s.update({"body.weight": torch.zeros(6, 5)}), r"shape \(6, 5\) is not"),
+        (lambda s: s.update(counts=s["counts"].int()), r"I32 for the model's torch.int64"),
+        (lambda s: s.update({"body.weight": s["body.weight"].int()}), r"holds I32 for the model's"),
+    ],
+)
+def test_a_mismatch_is_one_error_and_the_model_is_unchanged(
+    tmp_path: Path, change: object, message: str
+) -> None:
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in TiedNet().state_dict().items() if k != "head.weight"}
+    change(state)  # type: ignore[operator]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    target = TiedNet()
+    before = _state(target)
+    with pytest.raises(ValueError, match=message) as raised:
+        load_pretrained(target, tmp_path)
+    assert "the model is unchanged" in str(raised.value) and "\n" not in str(raised.value)
+    assert _same(_state(target), before)
+
+
+def test_not_strict_lists_what_it_left(tmp_path: Path) -> None:
+    state = {k: v for k, v in TiedNet().state_dict().items() if k not in ("head.weight", "counts")}
+    state["extra"] = torch.ones(1)
+    save_file(state, tmp_path / "model.safetensors")
+    target = TiedNet()
+    counts = target.counts.clone()
+    info = load_pretrained(target, tmp_path, strict=False)
+    assert info.missing == ("counts",) and info.unexpected == ("extra",)
+    assert torch.equal(target.counts, counts)
+
+
+def _crafted(
+    path: Path, header: object, data: bytes = b"\0" * 16, length: int | None = None
+) -> None:
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + data)
+
+
+ENTRY = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize(
+    ("header", "kwargs", "message"),
+    [
+        ({"a": ENTRY}, {"length": 2**62}, "claims 4611686018427387904 bytes"),
+        ([1, 2], {}, "JSON list, not an object"),
+        ({"a": {**ENTRY, "dtype": "X99"}}, {}, "unknown dtype"),
+        ({"a": {**ENTRY, "shape": [-2]}}, {}, "not a list of ints >= 0"),
+        ({"a": {**ENTRY, "data_offsets": [0, 10**12]}}, {}, "spans bytes"),
+        ({"a": {**ENTRY, "shape": [3]}}, {}, "holds 8 bytes, but F32 x \\(3,\\) is 12"),
+        ({"a": ENTRY, "b": {**ENTRY, "data_offsets": [4, 12]}}, {}, "overlap"),
+        ({"a": {**ENTRY, "data_offsets": [0, 8, 9]}}, {}, "not two ints"),
+    ],
+)
+def test_a_crafted_header_is_one_line_naming_the_file(
+    tmp_path: Path, header: object, kwargs: dict[str, int], message: str
+) -> None:
+    file = tmp_path / "bad.safetensors"
+    _crafted(file, header, **kwargs)  # type: ignore[arg-type]
+    model = torch.nn.Linear(2, 1)
+    before = _state(model)
+    with pytest.raises(ValueError, match=message) as raised:
+        load_pretrained(model, file)
+    assert str(file) in str(raised.value) and "\n" not in str(raised.value)
+    assert _same(_state(model), before)
+
+
+def test_fifos_links_and_names_outside_are_refused_without_hanging(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "model.safetensors")  # opened non-blocking, refused: no hang
+    with pytest.raises(ValueError, match="not a regular file \\(a FIFO\\)"):
+        load_pretrained(TiedNet(), tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    save_pretrained(TiedNet(), outside / "real")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "model.safetensors").symlink_to(outside / "real" / "model.safetensors")
+    with pytest.raises(ValueError, match="symbolic link"):
+        load_pretrained(TiedNet(), linked)
+    indexed = tmp_path / "indexed"
+    indexed.mkdir()
+    weight_map = {"embed.weight": "../outside/real/model.safetensors"}
+    (indexed / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(ValueError, match="not a file name inside"):
+        load_pretrained(TiedNet(), indexed)
+
+
+def test_save_refuses_an_existing_directory_and_leaves_nothing_half_written(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    save_pretrained(TiedNet(), out)
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        save_pretrained(TiedNet(), out)
+    assert (out / "model.safetensors").read_bytes() == before
+    torch.manual_seed(5)
+    replacement = TiedNet()
+    save_pretrained(replacement, out, overwrite=True)
+    assert torch.equal(load_file(out / "model.safetensors")["body.bias"], replacement.body.bias)
+    complex_model = TiedNet()
+    complex_model.register_buffer("phase", torch.zeros(2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match="safetensors cannot store"):
+        save_pretrained(complex_model, tmp_path / "complex")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging left behind
+
+
+def test_sharded_output_and_export_cli(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = TiedNet(vocab=64, width=16)
+    live = save_pretrained(model, tmp_path / "live", max_shard_size="2KB")
+    index = json.loads((live / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for k, t in model.state_dict().items() if k != "head.weight"
+    )
+    assert len(set(index["weight_map"].values())) > 1
+    save_checkpoint(tmp_path / "ckpt", model)
+    assert (
+        main(["export", str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--max-shard-size", "2KB"])
+        == 0
+    )
+    files = sorted(p.name for p in live.iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "cli").iterdir())
+    for name in files:
+        assert (live / name).read_bytes() == (tmp_path / "cli" / name).read_bytes(), name
+    (tmp_path / "not-a-ckpt").mkdir()
+    assert main(["export", str(tmp_path / "not-a-ckpt"), str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("kind", "ranks"), [("fsdp", 2), ("ddp", 2), ("hsdp", 4)])
+def test_torch_fully_shard_ddp_and_hsdp_load_and_save_their_parts(
+    tmp_path: Path, kind: str, ranks: int
+) -> None:
+    """Each rank starts from other values; the file's values land on every rank, the tie holds,
+    and the trained model written by every rank's part equals the gathered one."""
+    torch.manual_seed(0)
+    source = TiedNet()
+    save_pretrained(source, tmp_path / "original")
+    run_ranks(torch_wrapped, str(tmp_path), kind, world_size=ranks)
+    result = torch.load(tmp_path / f"{kind}.pt", weights_only=True)
+    assert _same(result["loaded"], _state(source))
+    written = load_file(tmp_path / f"trained-{kind}" / "model.safetensors")
+    for name, value in written.items():
+        assert torch.equal(value, result["trained"][name]), name
+    if kind != "ddp":  # each rank read its rows of the sharded tensors, not the whole file
+        assert result["read"] < sum(t.numel() * t.element_size() for t in written.values())
