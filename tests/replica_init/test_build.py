@@ -269,3 +269,30 @@ def test_the_stream_at_world_size_1_copies_nothing() -> None:
     target = torch.zeros(4)
     stream_from_rank0([("w", target)], None, torch.device("cpu"))  # no source tensors needed
     assert torch.equal(target, torch.zeros(4))
+
+
+def test_build_structure_puts_parameters_on_meta_and_keeps_buffers() -> None:
+    from replica_init import build_structure
+
+    class WithTable(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 3)
+            self.proj.weight.tagged = "kept"  # type: ignore[attr-defined]
+            self.register_buffer("table", torch.arange(4.0) * 2, persistent=False)
+
+    state = torch.random.get_rng_state()
+    model = build_structure(WithTable, {}, torch.float32)
+    assert all(p.is_meta for p in model.parameters())
+    assert model.proj.weight.tagged == "kept"  # type: ignore[attr-defined]
+    assert torch.equal(model.table, torch.arange(4.0) * 2)
+    assert torch.equal(torch.random.get_rng_state(), state)  # no stream consumed
+    assert not torch.nn.Linear(2, 2).weight.is_meta  # the hook is gone
+
+    class Normed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.utils.spectral_norm(torch.nn.Linear(4, 3))
+
+    with pytest.raises(ValueError, match="computes the buffers \\['proj.weight_u'"):
+        build_structure(Normed, {}, torch.float32)

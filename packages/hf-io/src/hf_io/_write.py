@@ -44,11 +44,18 @@ def write_part(
     fd = os.open(folder / layout.files[placed.file], os.O_WRONLY)
     try:
         for position, (start, length) in _runs(placed, tuple(part.shape), tuple(offsets)):
-            os.pwrite(fd, memoryview(view)[position : position + length], start)
+            _write_all(fd, memoryview(view)[position : position + length], start)
         os.fsync(fd)
     finally:
         os.close(fd)
     return nbytes
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    """``pwrite`` all of ``data``: one call writes at most about 2 GiB on Linux."""
+    while len(data):
+        written = os.pwrite(fd, data, offset)
+        data, offset = data[written:], offset + written
 
 
 def _runs(

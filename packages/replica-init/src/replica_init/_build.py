@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.nn.parameter import UninitializedParameter
 
 from dist_core import DeviceLike, resolve_device
 from rng_fork import fork_model_rng, fork_rng
@@ -95,25 +97,38 @@ def build_structure(
 ) -> nn.Module:
     """Construct the model with its parameters on the meta device and its buffers real.
 
-    For weights that come from a file: no parameter is allocated or initialized (each is
-    moved to the meta device as it is registered, before the constructor's init runs on it),
-    while buffers (rotary tables, masks, non-persistent ones a file does not hold) keep the
-    values the constructor gives them, on the CPU. No RNG stream is consumed.
-    """
-    register = nn.Module.register_parameter
+    For weights that come from a file: each parameter is moved to the meta device as it is
+    registered (torch's parameter-registration hook), before the constructor's init runs on
+    it, so nothing is initialized and no parameter stays allocated; buffers (rotary tables,
+    masks, non-persistent ones a file does not hold) keep the values the constructor gives
+    them, on the CPU. Lazy parameters are left as they are. No RNG stream is consumed.
 
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
+    Raises:
+        ValueError: If a buffer ends on the meta device (computed from a parameter, as
+            spectral norm's ``weight_u``): its value could not come from the constructor.
+    """
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> Any:
+        if param is None or param.is_meta or isinstance(param, UninitializedParameter):
+            return None
+        moved = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+        moved.__dict__.update(param.__dict__)  # attributes set on the parameter
+        return moved
 
     with fork_rng(), _default_dtype(default_dtype), _cpu_construction():
-        nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+        handle = register_module_parameter_registration_hook(on_meta)
         try:
             model = model_cls(**params)
         finally:
-            nn.Module.register_parameter = register  # type: ignore[method-assign]
+            handle.remove()
     check_is_module(model_cls, model)
+    on_meta_buffers = [name for name, b in model.named_buffers() if b.is_meta]
+    if on_meta_buffers:
+        raise ValueError(
+            f"{_name(model_cls)} computes the buffers {on_meta_buffers[:5]} from its parameters, "
+            "so they have no value before the weights are loaded; build it with the seeded "
+            "init instead (no pretrained=), then load the weights with hf_io.load_pretrained"
+        )
     return model
 
 
