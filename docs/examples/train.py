@@ -20,6 +20,12 @@ micro-batches; killed on 4 ranks, it continues on 1 from the latest checkpoint:
     torchrun --nproc-per-node 1 docs/examples/train.py --global-batch 16 --micro-batch 4 \
         --steps 6 --ckpt-dir runs/any --ckpt-every 2
 
+Under SLURM without torchrun (``srun`` starts the ranks; init_distributed reads SLURM's
+variables), saved and requeued ahead of the time limit (see docs/clusters.md):
+
+    srun --ntasks 2 python docs/examples/train.py --global-batch 16 --micro-batch 4 \
+        --steps 100 --ckpt-dir runs/slurm --ckpt-every 10 --save-on-signal USR1 --requeue
+
 A long, preemptible run: a checkpoint every 2 steps, the last 3 kept, written in the
 background, saved on SIGTERM, and resumed by itself from the latest complete checkpoint when
 torchrun restarts the job (a rank killed at any moment, a save included):
@@ -45,6 +51,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 import torch
@@ -153,6 +160,19 @@ def main() -> None:
         "--save-on-sigterm", action="store_true", help="on SIGTERM: save, then exit 0"
     )
     parser.add_argument(
+        "--save-on-signal",
+        action="append",
+        default=None,
+        metavar="SIG",
+        help="on this signal (e.g. USR1, what sbatch --signal=USR1@120 sends): save at the next "
+        "step, then exit 0; repeatable",
+    )
+    parser.add_argument(
+        "--requeue",
+        action="store_true",
+        help="after such a save, requeue the SLURM job (scontrol requeue) from rank 0",
+    )
+    parser.add_argument(
         "--pg-timeout-s",
         type=float,
         default=60.0,
@@ -180,6 +200,10 @@ def main() -> None:
                 f"--micro-batch {args.micro_batch}"
             )
         args.grad_accum = args.global_batch // (world * args.micro_batch)
+        if rank == 0:  # re-planned at every (elastic) start: the global batch stays the same
+            print(
+                f"world {world}: {args.grad_accum} micro-batch(es) of {args.micro_batch} per step"
+            )
         order = SampleOrder(args.samples, global_batch=args.global_batch, seed=args.seed)
         data = torch.Generator().manual_seed(args.seed)
         if args.variable_length:  # 4 positions per sample, 1 + index % 4 of them valid
@@ -209,6 +233,12 @@ def main() -> None:
                 keep_last=args.keep_last,
                 async_save=args.async_save,
                 on_sigterm=args.save_on_sigterm,
+                signals=(
+                    [*args.save_on_signal, *(["TERM"] if args.save_on_sigterm else [])]
+                    if args.save_on_signal
+                    else None
+                ),
+                requeue=args.requeue,
             )
             first = manager.resume(model, optimizer)
         for step in range(first, args.steps):
@@ -254,6 +284,7 @@ def main() -> None:
                 clipped = f", grad norm {norm.item():.6f}" if args.clip is not None else ""
                 print(f"step {step}: loss {total:.6f}{clipped}{seen}")
             _test_kill(rank, step + 1, "step")
+            time.sleep(float(os.environ.get("TRAIN_TEST_STEP_SLEEP", "0")))  # tests: a slow step
             if manager is not None:
                 _test_kill(rank, step + 1, "save")
                 manager.maybe_save(step + 1, model, optimizer)  # steps completed so far

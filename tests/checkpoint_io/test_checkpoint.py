@@ -438,6 +438,43 @@ class TestLongRuns:
         assert stop.value.code == 0 and manager.latest() == tmp_path / "step-2"
         assert signal.getsignal(signal.SIGTERM) is before
 
+    def test_usr1_saves_then_requeues_after_the_publish(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """sbatch --signal=USR1@120 --requeue: the save at the next step, then the requeue
+        (rank 0, after the publish), then exit 0; the handler restored."""
+        model, optimizer = trained()
+        before = signal.getsignal(signal.SIGUSR1)
+        seen: list[bool] = []
+        manager = CheckpointManager(
+            tmp_path,
+            every=100,
+            signals=("USR1",),
+            requeue=lambda: seen.append((tmp_path / "step-3" / "checkpoint.json").is_file()),
+        )
+        assert manager.maybe_save(2, model, optimizer) is None and not seen
+        signal.raise_signal(signal.SIGUSR1)
+        with pytest.raises(SystemExit) as stop:
+            manager.maybe_save(3, model, optimizer)
+        assert stop.value.code == 0 and seen == [True]  # requeued once, after the publish
+        assert signal.getsignal(signal.SIGUSR1) is before
+        monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+        with pytest.raises(ValueError, match="SLURM_JOB_ID is not set"):
+            CheckpointManager(tmp_path, every=1, signals=[signal.SIGUSR1], requeue=True)
+        with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
+            CheckpointManager(tmp_path, every=1, signals=[signal.SIGKILL])
+        with pytest.raises(ValueError, match="requeue needs a signal"):
+            CheckpointManager(tmp_path, every=1, requeue=lambda: None)
+        with pytest.raises(ValueError, match="'USR9' is not a signal"):
+            CheckpointManager(tmp_path, every=1, signals=["USR9"])
+        monkeypatch.setenv("SLURM_JOB_ID", "424242")
+        monkeypatch.setenv("PATH", str(tmp_path))  # no scontrol here: the failure is named
+        manager = CheckpointManager(tmp_path / "r", every=100, signals=["USR1"], requeue=True)
+        signal.raise_signal(signal.SIGUSR1)
+        with pytest.raises(RuntimeError, match="scontrol is not on PATH to requeue job 424242"):
+            manager.maybe_save(4, model, optimizer)
+        assert (tmp_path / "r" / "step-4" / "checkpoint.json").is_file()  # saved before
+
     def test_a_dropped_manager_does_not_swallow_sigterm(self, tmp_path: Path) -> None:
         out = subprocess.run(
             [

@@ -559,3 +559,110 @@ def test_names_reach_the_terminal_escaped_and_buffers_nest_one_level(tmp_path: P
     torch.save({"groups": outer}, deeper)
     with pytest.raises(CheckpointError, match="a byte buffer inside a byte buffer"):
         load_value(deeper.getvalue(), "two levels")
+
+
+def _edit_index(path: Path, change: Any) -> None:
+    """Rewrite DCP's index with ``change(metadata)`` and record it, as an attacker would."""
+    with open(path / ".metadata", "rb") as stream:
+        metadata = pickle.load(stream)  # the test's own checkpoint: trusted here
+    change(metadata)
+    with open(path / ".metadata", "wb") as stream:
+        pickle.dump(metadata, stream)
+    _rehash(path, ".metadata")
+
+
+def _half(chunk: Any) -> Any:
+    """The first half of ``chunk``'s rows: twice, it covers the tensor's count but overlaps."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    sizes = torch.Size([chunk.sizes[0] // 2, *chunk.sizes[1:]])
+    return ChunkStorageMetadata(offsets=chunk.offsets, sizes=sizes)
+
+
+class TestTheIndexIsCheckedBeforeAnythingIsRead:
+    """Issue 51 (3, 5): nothing checked that a tensor's chunks cover it (emptied chunks loaded
+    "successfully" and kept the old values; consolidate wrote freed memory), that its size fits
+    its bytes (a 40 KB checkpoint asked for 80 GB), that a data file is in the manifest, or
+    (in consolidate and inspect --fingerprint) any size or digest."""
+
+    def _saved(self, tmp_path: Path) -> tuple[Path, str]:
+        model, optimizer = trained()
+        path = save_checkpoint(tmp_path / "c", model, optimizer, step=1)
+        return path, "model.body.weight"
+
+    @pytest.mark.parametrize(
+        ("change", "message"),
+        [
+            (lambda t: setattr(t, "chunks", []), "cover 0 of its 16 elements"),
+            (lambda t: setattr(t, "size", torch.Size([10**10, 4])), "cover 16 of its 40000000000"),
+            (lambda t: setattr(t, "chunks", [_half(t.chunks[0])] * 2), "overlap"),
+        ],
+    )
+    def test_chunks_that_do_not_tile_are_refused_everywhere(
+        self, tmp_path: Path, change: Any, message: str
+    ) -> None:
+        path, fqn = self._saved(tmp_path)
+        _edit_index(path, lambda m: change(m.state_dict_metadata[fqn]))
+        fresh = Small()
+        before = _snapshot(fresh)
+        for verify in (True, False):
+            with pytest.raises(CheckpointError, match=message):
+                load_checkpoint(path, fresh, verify=verify)
+        assert _same(fresh, before)  # model unchanged
+        with pytest.raises(CheckpointError, match=message):
+            consolidate_checkpoint(path, tmp_path / "out.pt")
+        assert not (tmp_path / "out.pt").exists()
+        shown = checkpoint_cli("inspect", str(path), "--fingerprint")
+        assert shown.returncode == 2 and message.split(maxsplit=1)[0] in shown.stderr
+
+    def test_a_data_file_the_manifest_did_not_record_is_refused(self, tmp_path: Path) -> None:
+        path, fqn = self._saved(tmp_path)
+        data = sorted(p.name for p in path.iterdir() if p.suffix == ".distcp")[0]
+        (path / "planted.distcp").write_bytes((path / data).read_bytes())
+
+        def plant(metadata: Any) -> None:
+            for index, info in metadata.storage_data.items():
+                if index.fqn == fqn:
+                    info.relative_path = "planted.distcp"
+
+        _edit_index(path, plant)
+        with pytest.raises(CheckpointError, match="'planted.distcp', which the manifest did not"):
+            load_checkpoint(path, Small(), verify=False)
+        with pytest.raises(CheckpointError, match="which the manifest did not record"):
+            consolidate_checkpoint(path, tmp_path / "out.pt")
+
+    def test_consolidate_and_the_fingerprint_check_digests(self, tmp_path: Path) -> None:
+        """One flipped bit came out as -3.5e37 where -0.10 was saved."""
+        path, _ = self._saved(tmp_path)
+        data = sorted(p for p in path.iterdir() if p.suffix == ".distcp")[0]
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x40
+        data.write_bytes(bytes(raw))
+        with pytest.raises(CheckpointError, match="verification failed"):
+            consolidate_checkpoint(path, tmp_path / "out.pt")
+        shown = checkpoint_cli("inspect", str(path), "--fingerprint")
+        assert shown.returncode == 2 and "verification failed" in shown.stderr
+
+
+def test_other_param_groups_or_a_manifest_field_missing_change_nothing(tmp_path: Path) -> None:
+    """Issue 51 (6): an optimizer with other parameter groups raised after the weights changed;
+    a manifest without torch_version raised after model, optimizer and RNG all changed."""
+    model, optimizer = trained()
+    path = save_checkpoint(tmp_path / "c", model, optimizer, step=1)
+    fresh = Small()
+    torch.manual_seed(3)
+    split = torch.optim.AdamW(
+        [{"params": fresh.body.parameters()}, {"params": fresh.head.parameters()}]
+    )
+    before, rng = _snapshot(fresh), torch.random.get_rng_state()
+    with pytest.raises(CheckpointError, match="parameter groups differ from the saved ones"):
+        load_checkpoint(path, fresh, split)
+    assert _same(fresh, before) and not split.state
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    del manifest["torch_version"]
+    (path / "checkpoint.json").write_text(json.dumps(manifest))
+    whole = torch.optim.AdamW(fresh.parameters())
+    with pytest.raises(CheckpointError, match="manifest is malformed .*torch_version"):
+        load_checkpoint(path, fresh, whole, verify=False)
+    assert _same(fresh, before) and not whole.state
+    assert torch.equal(torch.random.get_rng_state(), rng)

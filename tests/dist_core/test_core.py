@@ -256,7 +256,7 @@ def test_nested_memory_peaks_do_not_erase_each_other(monkeypatch: pytest.MonkeyP
 
 
 def test_init_distributed_from_the_environment() -> None:
-    """gloo on a CPU host, this rank's device back, a per-attempt store prefix, one call only;
+    """gloo on a CPU host, this rank's device back, a per-round store prefix, one call only;
     a missing launcher variable and bad arguments are named before anything starts."""
     out = fresh_interpreter(
         """
@@ -300,7 +300,8 @@ print("default timeout:", DEFAULT_TIMEOUT)
     assert "bad: TypeError timeout must be a datetime.timedelta or seconds, got str" in out
     assert "bad: TypeError backend must be a string or None, got int" in out
     assert "device: cpu gloo 1" in out
-    assert "prefixed: ['attempt-3']" in out  # every key of this attempt under its prefix
+    # every key of this round under its prefix, beside the rounds' counter
+    assert "prefixed: ['dist_core', 'world-1-round-0']" in out
     assert (
         "again: init_distributed: the default process group is already initialized (backend 'gloo', 1 ranks)"
         in out

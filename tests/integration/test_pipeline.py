@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,10 +11,11 @@ import torch
 
 from dist_harness import fresh_interpreter, run_ranks, two_rank_backends
 from distributed_strategy import prepare_model
+from example_runs import EXAMPLE
+from example_runs import example as _example
+from example_runs import final as _final
+from example_runs import final_sum as _final_sum
 from toy_models import Regressor
-
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "docs" / "examples" / "train.py"
 
 
 @pytest.mark.multiprocess
@@ -99,47 +98,6 @@ def test_uninitialized_process_group() -> None:
         "prepare_model requires an initialized process group; call "
         "torch.distributed.init_process_group()"
     )
-
-
-def _example(
-    *args: str,
-    torchrun: tuple[str, ...] = (),
-    env: dict[str, str] | None = None,
-    nproc: int = 2,
-    ok: bool = True,
-) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            *torchrun,
-            str(EXAMPLE),
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-    )
-    assert (result.returncode == 0) is ok, result.stderr[-3000:]
-    return result
-
-
-def _final(result: subprocess.CompletedProcess[str], what: str) -> str:
-    lines = [line for line in result.stdout.splitlines() if f"final {what}" in line]
-    assert len(lines) == 1, result.stdout
-    return lines[0].rsplit(" ", 1)[1]
-
-
-def _final_sum(result: subprocess.CompletedProcess[str]) -> float:
-    lines = [line for line in result.stdout.splitlines() if "final weight sum" in line]
-    assert len(lines) == 1, result.stdout
-    return float(lines[0].rsplit(" ", 1)[1])
 
 
 def test_example_trainer_under_torchrun(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint_io import _compat, _state
 from checkpoint_io._errors import CheckpointError
+from checkpoint_io._index import read_verified
 from checkpoint_io._manifest import read_manifest
 from checkpoint_io._safe import SafeReader, SafeWholePlanner, unsafe_cause
 from dist_core import is_distributed, unwrap_model
@@ -69,7 +70,6 @@ def model_fingerprint(path: str | os.PathLike[str]) -> str:
         CheckpointError: If it is not a readable checkpoint.
     """
     root = Path(os.fspath(path))
-    read_manifest(root)
     return _state.local_fingerprint(_read_whole(root).get(_state.MODEL, {}))
 
 
@@ -79,11 +79,12 @@ def _read_whole(root: Path) -> dict[str, Any]:
     The index is read without running code and every value ``weights_only``
     (:mod:`checkpoint_io._safe`); an unsafe one raises :class:`CheckpointError`.
     """
+    _, metadata = read_verified(root)  # sizes, digests and the index before any read
     whole: dict[str, Any] = {}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            _compat.load_in_process(whole, SafeReader(root), SafeWholePlanner())  # type: ignore[no-untyped-call]
+            _compat.load_in_process(whole, SafeReader(root, metadata), SafeWholePlanner())  # type: ignore[no-untyped-call]
     except CheckpointError:
         raise
     except (Exception, _compat.CheckpointException) as error:  # the latter: a BaseException
@@ -115,7 +116,7 @@ def consolidate_checkpoint(path: str | os.PathLike[str], out_file: str | os.Path
     """
     root = Path(os.fspath(path))
     manifest = read_manifest(root)
-    everything = _read_whole(root)
+    everything = _read_whole(root)  # verified first
     optimizer = everything.get(_state.OPTIM)
     if optimizer is not None:
         groups = optimizer["param_groups"]

@@ -21,6 +21,7 @@ from checkpoint_io._collective import agree, single_process_quiet
 from checkpoint_io._compat import CheckpointException
 from checkpoint_io._digest import check_digests, check_sizes, file_entry, share
 from checkpoint_io._errors import CheckpointError, read_regular
+from checkpoint_io._index import check_index
 from checkpoint_io._manifest import RNG_DIR, CheckpointInfo, info_from, read_manifest
 from checkpoint_io._safe import (
     SafeLoadPlanner,
@@ -149,7 +150,7 @@ def load_checkpoint(
             obj.load_state_dict(plan["target"][_state.STATEFUL][name])
     if plan["rng"] is not None:
         plan["rng"]()
-    info = info_from(manifest, root)
+    info: CheckpointInfo = plan["info"]
     log_rank0(
         logger,
         logging.INFO,
@@ -185,7 +186,9 @@ def _prepare(
     fresh = verify and not manifest.get("files")
     metadata = read_metadata(root)  # no code runs, every file name inside the checkpoint
     _state.check_files(root, metadata)
-    check_values(root, metadata)  # every non-tensor value weights_only, before any is used
+    check_index(root, metadata, manifest)  # chunks tile each tensor, files all recorded
+    values = check_values(root, metadata)  # every non-tensor value weights_only, first
+    info = _checked_info(manifest, root)  # a malformed manifest fails here, not at the end
     if manifest.get("files"):
         check_sizes(root, manifest["files"])
     current = _state.model_state(model)
@@ -202,6 +205,9 @@ def _prepare(
         target[_state.OPTIM] = _state.optimizer_template(
             model, optimizer, metadata, strict=strict, in_place=not fresh
         )
+        groups = [v for k, v in values.items() if k == f"{_state.OPTIM}.param_groups"]
+        if groups:  # other groups raise now, before the model is touched
+            _state.check_optimizer_groups(model, optimizer, _state.saved_param_groups(groups[0]))
     stateful_plan: StatefulLoad | None = None
     if stateful:
         saved = set(manifest.get("stateful") or ())
@@ -234,7 +240,17 @@ def _prepare(
         "fresh": fresh,
         "stateful": stateful_plan,
         "metadata": metadata,
+        "info": info,
     }
+
+
+def _checked_info(manifest: dict[str, Any], root: Path) -> CheckpointInfo:
+    try:
+        return info_from(manifest, root)
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(
+            f"{root}'s manifest is malformed ({type(error).__name__}: {error}); nothing was loaded"
+        ) from None
 
 
 def _rng_restore(

@@ -1,23 +1,19 @@
-"""``CheckpointManager``: every N steps, keep K, async, SIGTERM, resume from the latest."""
+"""``CheckpointManager``: every N steps, keep K, async, stop on a signal, resume the latest."""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
-import threading
-import types
-import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from checkpoint_io._async import start_async_save
-from checkpoint_io._collective import from_rank0, gloo_group
+from checkpoint_io._collective import from_rank0
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._inflight import PendingCheckpoint
 from checkpoint_io._latest import (
@@ -30,11 +26,10 @@ from checkpoint_io._latest import (
 )
 from checkpoint_io._load import load_checkpoint
 from checkpoint_io._save import save_checkpoint
+from checkpoint_io._stop import Requeue, StopSignals
 from dist_core import log_rank0, make_dirs, rank
 
 logger = logging.getLogger(__name__)
-
-_Handler = Any  # what signal.signal returns: a callable, an int constant, or None
 
 
 class CheckpointManager:
@@ -65,11 +60,18 @@ class CheckpointManager:
         on_sigterm: Install a SIGTERM handler (torchrun and schedulers send SIGTERM before
             SIGKILL): at the next ``maybe_save`` every rank learns of it, all save at that
             step, and the call raises ``SystemExit(0)`` once the checkpoint is published.
+        signals: The signals to act on that way instead (``(signal.SIGUSR1,)`` for
+            ``sbatch --signal=USR1@120``; names like ``"USR1"`` too); ``None`` is SIGTERM
+            with ``on_sigterm``, else none.
+        requeue: After such a save, on rank 0: ``True`` runs ``scontrol requeue
+            $SLURM_JOB_ID`` (the job resumes from the checkpoint when it runs again); a
+            callable requeues with another scheduler; ``False`` does nothing.
 
     Raises:
         TypeError: If ``root`` is not a path, or a flag is not a bool.
-        ValueError: If ``every`` or ``keep_last`` is below 1, or ``on_sigterm`` is asked for
-            outside the main thread.
+        ValueError: If ``every`` or ``keep_last`` is below 1, a signal cannot be caught,
+            ``requeue=True`` outside a SLURM job, or signals are asked for outside the main
+            thread.
         NotADirectoryError: If ``root`` is a file.
     """
 
@@ -81,6 +83,8 @@ class CheckpointManager:
         keep_last: int | None = None,
         async_save: bool = False,
         on_sigterm: bool = False,
+        signals: Iterable[int | str | signal.Signals] | None = None,
+        requeue: Requeue = False,
     ) -> None:
         self.root = check_root(root)
         self.every = _positive("every", every)
@@ -90,20 +94,9 @@ class CheckpointManager:
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__} ({flag!r})")
         self.async_save = async_save
         self._pending: PendingCheckpoint | None = None
-        self._terminated = threading.Event()
-        self._previous: _Handler = None
-        self._group: dist.ProcessGroup | None = None
-        if on_sigterm:
-            if threading.current_thread() is not threading.main_thread():
-                raise ValueError(
-                    "on_sigterm=True installs a signal handler, which only the main thread can "
-                    "do; create the CheckpointManager in the main thread"
-                )
-            self._group = gloo_group("sigterm")  # the ranks agree on a stop through it
-            self._previous = signal.signal(signal.SIGTERM, _handler(self))
-            self._handling = True
-        else:
-            self._handling = False
+        if signals is None:
+            signals = (signal.SIGTERM,) if on_sigterm else ()
+        self._stop = StopSignals(signals, requeue)
 
     def maybe_save(
         self,
@@ -125,13 +118,13 @@ class CheckpointManager:
             ``None`` when nothing was saved.
 
         Raises:
-            SystemExit: With code 0, after the checkpoint is published, when a SIGTERM
-                reached any rank (``on_sigterm=True``).
+            SystemExit: With code 0, after the checkpoint is published (and the job
+                requeued), when a stop signal reached any rank.
             ValueError: If ``step`` is negative.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0 (steps completed), got {step!r}")
-        stopping = self._stop_agreed()
+        stopping = self._stop.agreed()
         if not (force or stopping or step % self.every == 0):
             return None
         path = step_path(self.root, step)
@@ -157,8 +150,16 @@ class CheckpointManager:
             if rank() == 0:
                 self._prune(step)
         if stopping:
-            log_rank0(logger, logging.WARNING, "SIGTERM: saved %s; exiting with code 0", path)
+            received = self._stop.received
+            log_rank0(
+                logger,
+                logging.WARNING,
+                "%s: saved %s; exiting with code 0",
+                received.name if received is not None else "a stop signal on another rank",
+                path,
+            )
             self.close()
+            self._stop.after_save()
             raise SystemExit(0)
         return path
 
@@ -211,13 +212,11 @@ class CheckpointManager:
         return None if pending is None else pending.wait()
 
     def close(self) -> None:
-        """Wait for a background save and put the previous SIGTERM handler back."""
+        """Wait for a background save and put the previous signal handlers back."""
         try:
             self.wait()
         finally:
-            if self._handling:
-                _restore(self._previous)
-                self._handling = False
+            self._stop.restore()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -225,39 +224,9 @@ class CheckpointManager:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _stop_agreed(self) -> bool:
-        """Whether a SIGTERM reached any rank (collective with ``on_sigterm``)."""
-        if not self._handling:
-            return False
-        if self._group is None:
-            return self._terminated.is_set()
-        flag = torch.tensor([1 if self._terminated.is_set() else 0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        return bool(flag.item())
-
     def _prune(self, published: int) -> None:
         if self.keep_last is not None:
             prune(self.root, self.keep_last, published)
-
-
-def _handler(manager: CheckpointManager) -> Callable[[int, types.FrameType | None], None]:
-    """The SIGTERM handler: tell ``manager``; if it is gone, behave as before it existed."""
-    alive = weakref.ref(manager)
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def on_sigterm(signum: int, frame: types.FrameType | None) -> None:
-        target = alive()
-        if target is not None and target._handling:
-            target._terminated.set()
-            return
-        _restore(previous)  # a manager dropped without close(): do not swallow the signal
-        signal.raise_signal(signum)
-
-    return on_sigterm
-
-
-def _restore(previous: _Handler) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _resume_step(saved: object, path: Path) -> int:

@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from checkpoint_io import _compat, _state
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._manifest import read_manifest
-from checkpoint_io._safe import SafeLoadPlanner, SafeReader, read_metadata, unsafe_cause
+from checkpoint_io._index import read_verified
+from checkpoint_io._safe import SafeLoadPlanner, SafeReader, unsafe_cause
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,15 +60,15 @@ class SavedModel:
 def saved_model(path: str | os.PathLike[str]) -> SavedModel:
     """Describe the model tensors of the checkpoint at ``path`` (offline, one process).
 
-    Reads the manifest and DCP's index (no code runs); tensors are read by ``read``.
+    Reads the manifest and DCP's index (no code runs) and checks every file's size and
+    digest; tensors are read by ``read``.
 
     Raises:
         FileNotFoundError: If ``path`` does not exist.
         CheckpointError: If it is not a readable checkpoint.
     """
     root = Path(os.fspath(path))
-    manifest = read_manifest(root)
-    metadata = read_metadata(root)
+    manifest, metadata = read_verified(root)  # sizes, digests and the index first
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for key, storage in _state.saved_entries(metadata, _state.MODEL).items():
         if len(key) == 1 and isinstance(storage, TensorStorageMetadata):

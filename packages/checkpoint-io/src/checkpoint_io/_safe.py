@@ -397,11 +397,15 @@ def unsafe_cause(error: BaseException) -> CheckpointError | None:
     return unsafe_cause(cause) if cause is not None else None
 
 
-def check_values(root: Path, metadata: Metadata) -> None:
+def check_values(root: Path, metadata: Metadata) -> dict[str, Any]:
     """Read every non-tensor value of the checkpoint ``weights_only`` before anything is loaded.
 
     They are small (hyperparameters, step counters, plain Python state); reading them first
-    means an unsafe one is refused before any tensor of the model is overwritten.
+    means an unsafe one is refused before any tensor of the model is overwritten, and the
+    load can check them (the optimizer's groups) before anything changes.
+
+    Returns:
+        ``fqn -> value`` of every value read (encoded ones are read by the load planner).
 
     Raises:
         CheckpointError: Naming the first value refused as unsafe, or a file outside.
@@ -412,6 +416,7 @@ def check_values(root: Path, metadata: Metadata) -> None:
         for index, info in (metadata.storage_data or {}).items()
         if isinstance(kinds.get(index.fqn), BytesStorageMetadata)
     ]
+    read: dict[str, Any] = {}
     for index, info in sorted(values, key=lambda item: item[0].fqn):
         if getattr(info, "transform_descriptors", None):
             continue  # an encoded value: read (weights_only) by the load planner instead
@@ -419,4 +424,6 @@ def check_values(root: Path, metadata: Metadata) -> None:
         with open_regular(file) as stream:
             stream.seek(int(info.offset))
             data = stream.read(int(info.length))
-        load_value(data, f"the checkpoint's value {index.fqn!r} (in {file.name})", "cpu")
+        what = f"the checkpoint's value {index.fqn!r} (in {file.name})"
+        read[index.fqn] = load_value(data, what, "cpu")
+    return read

@@ -102,9 +102,41 @@ def load_optimizer(
     """Put a loaded name-keyed optimizer state into ``optimizer`` (its own index order)."""
     names = _optimizer_names(model, optimizer)
     index = {name: i for i, name in enumerate(names)}
-    buffer = loaded["param_groups"]
-    buffer.seek(0)
-    saved_groups = torch.load(buffer, weights_only=True, map_location="cpu")
+    saved_groups = saved_param_groups(loaded["param_groups"])
+    current = check_optimizer_groups(model, optimizer, saved_groups)
+    groups = [
+        {**{k: v for k, v in saved.items() if k != "params"}, "params": [index[n] for n in now]}
+        for saved, now in zip(saved_groups, current, strict=True)
+    ]
+    state = {index[name]: values for name, values in loaded["state"].items()}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def saved_param_groups(value: Any) -> list[dict[str, Any]]:
+    """The saved ``param_groups`` from their value (a buffer of ``torch.save`` bytes).
+
+    Raises:
+        CheckpointError: If the value is not a list of groups with ``params`` lists.
+    """
+    if isinstance(value, io.BytesIO):
+        value.seek(0)
+        value = torch.load(value, weights_only=True, map_location="cpu")
+    if not isinstance(value, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in value
+    ):
+        raise CheckpointError("the checkpoint's optimizer param_groups are malformed")
+    return value
+
+
+def check_optimizer_groups(
+    model: nn.Module, optimizer: torch.optim.Optimizer, saved_groups: list[dict[str, Any]]
+) -> list[list[str]]:
+    """The optimizer's groups by parameter name, checked against the saved ones.
+
+    Raises:
+        CheckpointError: If the groups hold other parameters than the saved ones.
+    """
+    names = _optimizer_names(model, optimizer)
     current = [
         [names[i] for i in range(start, start + len(g["params"]))]
         for start, g in _starts(optimizer)
@@ -115,12 +147,7 @@ def load_optimizer(
             f"{[len(g['params']) for g in saved_groups]} parameters per group, now "
             f"{[len(g) for g in current]}); build the optimizer with the same groups"
         )
-    groups = [
-        {**{k: v for k, v in saved.items() if k != "params"}, "params": [index[n] for n in now]}
-        for saved, now in zip(saved_groups, current, strict=True)
-    ]
-    state = {index[name]: values for name, values in loaded["state"].items()}
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return current
 
 
 def _starts(optimizer: torch.optim.Optimizer) -> Iterator[tuple[int, dict[str, Any]]]:

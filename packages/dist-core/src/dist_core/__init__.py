@@ -20,7 +20,8 @@ from dist_core._devices import (
 from dist_core._durable import fsync_dir, fsync_file, fsync_tree, make_dirs
 from dist_core._files import open_regular, read_regular
 from dist_core._group import is_distributed, log_rank0, rank, require_process_group, world_size
-from dist_core._init import DEFAULT_TIMEOUT, init_distributed
+from dist_core._init import DEFAULT_TIMEOUT, init_distributed, names_nccl
+from dist_core._launch import Launch, detect_launch, expand_nodelist, slurm_port
 from dist_core._memory import MemoryPeak, current_rss
 from dist_core._wrapped import (
     Strategy,
@@ -33,6 +34,7 @@ from dist_core._wrapped import (
 __all__ = [
     "DEFAULT_TIMEOUT",
     "DeviceLike",
+    "Launch",
     "MemoryPeak",
     "Strategy",
     "accelerator_type",
@@ -40,6 +42,8 @@ __all__ = [
     "check_forward_methods",
     "check_wrap_preconditions",
     "current_rss",
+    "detect_launch",
+    "expand_nodelist",
     "fsdp_modules",
     "fsync_dir",
     "fsync_file",
@@ -48,6 +52,7 @@ __all__ = [
     "is_distributed",
     "log_rank0",
     "make_dirs",
+    "names_nccl",
     "on_device",
     "open_regular",
     "rank",
@@ -56,6 +61,7 @@ __all__ = [
     "require_device_index",
     "require_process_group",
     "resolve_device",
+    "slurm_port",
     "strategy_of",
     "unwrap_compiled",
     "unwrap_model",

@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import datetime
-import os
+import logging
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store
 from torch.distributed.rendezvous import rendezvous
 
 from dist_core._group import is_distributed
+from dist_core._launch import Launch, detect_launch
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 """The collective timeout when none is given: long enough for a first compile or a slow
 checkpoint, short enough that a rank whose peer died fails (and torchrun restarts the job)
 instead of waiting torch's default 30 minutes (gloo)."""
-
-_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
 
 def init_distributed(
@@ -25,14 +27,20 @@ def init_distributed(
     """Initialize the default process group from the environment and return this rank's device.
 
     For torchrun and any ``env://`` launcher (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_RANK``):
+    ``WORLD_SIZE``, ``LOCAL_RANK``), and for ``srun`` without torchrun (SLURM's
+    ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_JOB_NODELIST``,
+    ``SLURM_JOB_ID``: the rendezvous on the node list's first host, at a port derived from the
+    job id; ``MASTER_ADDR`` / ``MASTER_PORT`` override; torchrun's variables win when both are
+    there; the ``env://`` variables are then set for the trainer):
 
     - NCCL with ``device_id`` bound where CUDA is available (after ``set_device(LOCAL_RANK)``,
-      torch's recommended order), gloo elsewhere; ``backend`` overrides.
-    - Every torchrun attempt rendezvouses under its own store prefix
-      (``TORCHELASTIC_RESTART_COUNT``): torchrun keeps its store across restarts, and a
-      restarted rank could otherwise read a key a dead rank of the previous attempt left
-      (seen here: "Gloo connectFullMesh failed ... Connect timeout").
+      torch's recommended order), gloo elsewhere; ``backend`` overrides, and any backend string
+      that names NCCL (``"cpu:gloo,cuda:nccl"``) binds this rank's GPU too. The ranks on a node
+      are checked against its visible GPUs.
+    - Every rendezvous round gets its own store prefix, counted in the store by its ranks:
+      torchrun keeps its store across restarts and membership changes, and a rank could
+      otherwise read a key a rank of an earlier round left (seen here: "Gloo connectFullMesh
+      failed ... Connect timeout").
     - ``timeout`` (a ``timedelta`` or seconds; default :data:`DEFAULT_TIMEOUT`) for every
       collective.
 
@@ -42,13 +50,14 @@ def init_distributed(
 
     Returns:
         This rank's device: ``cuda:LOCAL_RANK`` under NCCL (the current device), else CPU.
+        Under ``srun --gpus-per-task=1`` (one visible GPU per task) it is ``cuda:0``.
 
     Raises:
         RuntimeError: If the default process group is already initialized.
         TypeError: A backend that is not a string, a timeout that is not a timedelta or a
             number.
         ValueError: A missing launcher variable, a non-positive timeout, NCCL without CUDA,
-            or a ``LOCAL_RANK`` with no such GPU.
+            more ranks on the node than GPUs, or a ``LOCAL_RANK`` with no such GPU.
     """
     if is_distributed():
         raise RuntimeError(
@@ -59,49 +68,84 @@ def init_distributed(
     limit = _timeout(timeout)
     if backend is not None and not isinstance(backend, str):
         raise TypeError(f"backend must be a string or None, got {type(backend).__name__}")
-    missing = [name for name in _ENV if not os.environ.get(name)]
-    if missing:
-        raise ValueError(
-            f"init_distributed: the environment lacks {', '.join(missing)}; start the "
-            "processes with torchrun (or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE)"
-        )
-    local = os.environ.get("LOCAL_RANK")
-    if local is None:
-        if int(os.environ["WORLD_SIZE"]) > 1 and torch.cuda.is_available() and backend != "gloo":
+    launch = detect_launch()
+    if launch.launcher == "slurm":
+        launch.export()  # env:// below, and LOCAL_RANK for the trainer, from SLURM's variables
+    local = launch.local_rank
+    if local < 0:
+        if launch.world_size > 1 and torch.cuda.is_available() and backend != "gloo":
             raise ValueError(
                 "init_distributed: LOCAL_RANK is not set, so this rank's GPU is unknown; start "
                 "the processes with torchrun (or set LOCAL_RANK), or pass backend='gloo'"
             )
-        local = "0"
-    if not local.isdigit():
-        raise ValueError(f"LOCAL_RANK must be a non-negative integer, got {local!r}")
+        local = 0
     cuda = torch.cuda.is_available()
     chosen = backend or ("nccl" if cuda else "gloo")
     device = torch.device("cpu")
-    if chosen == "nccl":
-        if not cuda:
-            raise ValueError(
-                "init_distributed: backend='nccl' needs CUDA, and none is available; use "
-                "backend='gloo' (or leave backend=None)"
-            )
-        if int(local) >= torch.cuda.device_count():
-            raise ValueError(
-                f"LOCAL_RANK={local} but {torch.cuda.device_count()} GPU(s) are visible; start "
-                "at most one rank per GPU"
-            )
-        device = torch.device("cuda", int(local))
-        torch.cuda.set_device(device)
+    if names_nccl(chosen):  # "nccl" or torch's "cpu:gloo,cuda:nccl": this rank's GPU is bound
+        device = _bind_gpu(chosen, local, launch)
     store, rank, world = next(rendezvous("env://", timeout=limit))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
         chosen,
-        store=dist.PrefixStore(f"attempt-{attempt}", store),  # type: ignore[attr-defined]
+        store=dist.PrefixStore(_round_prefix(store, world), store),  # type: ignore[attr-defined]
         rank=rank,
         world_size=world,
         timeout=limit,
         device_id=device if device.type == "cuda" else None,
     )
+    logger.debug(
+        "initialized rank %d of %d (%s, %s) on %s", rank, world, launch.launcher, chosen, device
+    )
     return device
+
+
+def names_nccl(backend: str) -> bool:
+    """Whether a backend string uses NCCL: ``"nccl"`` or a per-device ``"cpu:gloo,cuda:nccl"``."""
+    return any(part.rpartition(":")[2].strip() == "nccl" for part in backend.split(","))
+
+
+def _bind_gpu(backend: str, local: int, launch: Launch) -> torch.device:
+    """Check this node's ranks against its GPUs; make ``cuda:<local rank>`` current."""
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"init_distributed: backend={backend!r} needs CUDA, and none is available; use "
+            "backend='gloo' (or leave backend=None)"
+        )
+    count = torch.cuda.device_count()
+    tasks = launch.tasks_on_node
+    if launch.launcher == "slurm" and count == 1 and local > 0:
+        index = 0  # srun --gpus-per-task=1 (or --gpu-bind): each task sees its own one GPU
+    elif tasks is not None and tasks > count:
+        raise ValueError(
+            f"init_distributed: {tasks} ranks run on this node but {count} GPU(s) are visible; "
+            f"start at most one rank per GPU ({launch.launcher}: e.g. --ntasks-per-node={count} "
+            f"or --nproc-per-node={count})"
+        )
+    elif local >= count:
+        raise ValueError(
+            f"LOCAL_RANK={local} but {count} GPU(s) are visible; start at most one rank per GPU"
+        )
+    else:
+        index = local
+    device = torch.device("cuda", index)
+    torch.cuda.set_device(device)
+    return device
+
+
+def _round_prefix(store: Store, world: int) -> str:
+    """A store prefix of this rendezvous round alone, the same on every rank of it.
+
+    torchrun keeps its store across restarts and across membership changes (a node joining or
+    leaving restarts the workers without bumping ``TORCHELASTIC_RESTART_COUNT``), and a rank
+    could read a key a rank of an earlier round left (seen: "Gloo connectFullMesh failed ...
+    Connect timeout"). The restart count cannot tell rounds apart either: each agent keeps its
+    own, and a node that joins later starts at 0. So every rank counts itself in, under the
+    world size, in the store itself; the ``world`` arrivals of one round share its number.
+    (A round in which a rank died before reaching here would shift the count: the next
+    round's ranks then fail their rendezvous at the timeout, and torchrun restarts them.)
+    """
+    arrivals = store.add(f"dist_core/arrivals/world-{world}", 1)
+    return f"world-{world}-round-{(arrivals - 1) // world}"
 
 
 def _timeout(timeout: datetime.timedelta | float | None) -> datetime.timedelta:

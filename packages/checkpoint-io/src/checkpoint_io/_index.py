@@ -1,0 +1,157 @@
+"""DCP's index (``.metadata``) checked as untrusted input before anything is allocated or read.
+
+The index says how big each tensor is, which chunks make it up and where each chunk's bytes
+lie. Nothing in DCP checks that those agree: chunks emptied out of a tensor loaded "successfully"
+and left the parameter at its old values (``consolidate`` wrote freed memory into its output),
+and one planner-data int of 10**10 asked for an 80 GB allocation from a 40 KB checkpoint. Every
+reader checks here, before the first byte: each tensor's chunks lie inside it, do not overlap
+and cover it exactly; each chunk's record is at least as long as its raw bytes (so no tensor is
+larger than the files that hold it); no record is transformed (compressed); and every data file
+the index names is one the manifest recorded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from checkpoint_io._digest import check_digests, check_sizes
+from checkpoint_io._errors import CheckpointError
+from checkpoint_io._manifest import read_manifest
+from checkpoint_io._safe import read_metadata
+from checkpoint_io._state import check_files
+
+MAX_CHUNKS = 1 << 16
+"""Chunks one tensor may have (a world size of 65536 ranks); more is refused."""
+MAX_COMPARISONS = 1 << 22
+"""Pairs of chunks whose rows meet that the overlap check compares, at most, per tensor."""
+
+
+def read_verified(root: Path) -> tuple[dict[str, Any], Metadata]:
+    """The manifest and index of ``root``, checked, with every file's size and digest.
+
+    For the offline readers (``consolidate``, ``inspect --fingerprint``, hf-io's export), which
+    read the whole checkpoint anyway: one flipped bit came out of them as -3.5e37.
+
+    Raises:
+        CheckpointError: A malformed manifest or index, a truncated or changed file.
+    """
+    manifest = read_manifest(root)
+    metadata = read_metadata(root)
+    check_files(root, metadata)
+    check_index(root, metadata, manifest)
+    files = manifest.get("files")
+    if files:
+        check_sizes(root, files)
+        check_digests(root, files, sorted(files))
+    return manifest, metadata
+
+
+def check_index(root: Path, metadata: Metadata, manifest: Mapping[str, Any]) -> None:
+    """Check the index against itself and against the manifest's file table.
+
+    Raises:
+        CheckpointError: Naming the first tensor whose chunks do not tile it, a record longer
+            claim than its bytes, a transformed record, or a data file not in the manifest.
+    """
+    storage = metadata.storage_data or {}
+    recorded = manifest.get("files")
+    for index, info in storage.items():
+        name = getattr(info, "relative_path", None)
+        if isinstance(recorded, Mapping) and recorded and name not in recorded:
+            raise CheckpointError(
+                f"{root}: the index names the data file {name!r}, which the manifest did not "
+                "record (a planted file is never read); refused as unsafe"
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(
+                f"{root}: the record of {index.fqn!r} is transformed "
+                f"({info.transform_descriptors}); checkpoint-io writes none and reads none "
+                "(a compressed record can inflate without bound); refused as unsafe"
+            )
+    lengths = {(i.fqn, tuple(i.offset or ())): int(info.length) for i, info in storage.items()}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            _check_tiling(root, fqn, entry, lengths)
+
+
+def _check_tiling(
+    root: Path,
+    fqn: str,
+    entry: TensorStorageMetadata,
+    lengths: Mapping[tuple[str, tuple[int, ...]], int],
+) -> None:
+    size = tuple(int(d) for d in entry.size)
+    item = entry.properties.dtype.itemsize
+    chunks = entry.chunks
+    if len(chunks) > MAX_CHUNKS or any(d < 0 for d in size):
+        raise _bad(root, fqn, f"{len(chunks)} chunks of a tensor of size {size}")
+    covered = 0
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for chunk in chunks:
+        offsets = tuple(int(o) for o in chunk.offsets)
+        sizes = tuple(int(s) for s in chunk.sizes)
+        if (
+            len(offsets) != len(size)
+            or len(sizes) != len(size)
+            or any(
+                o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, size, strict=True)
+            )
+        ):
+            raise _bad(root, fqn, f"a chunk at {offsets} of {sizes} lies outside its size {size}")
+        volume = math.prod(sizes)
+        length = lengths.get((fqn, offsets))
+        if volume and (length is None or length < volume * item):
+            raise _bad(
+                root,
+                fqn,
+                f"the chunk at {offsets} needs {volume * item} bytes but its record has "
+                f"{length if length is not None else 'none'}",
+            )
+        if volume:
+            boxes.append((offsets, sizes))
+        covered += volume
+    if covered != math.prod(size):
+        raise _bad(
+            root, fqn, f"its chunks cover {covered} of its {math.prod(size)} elements (size {size})"
+        )
+    _check_disjoint(root, fqn, boxes)
+
+
+def _check_disjoint(
+    root: Path, fqn: str, boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> None:
+    """No two chunks overlap: a sweep along dim 0 compares only chunks whose rows meet.
+
+    With the volumes summing to the tensor's, disjoint chunks inside it tile it exactly.
+    """
+    if not boxes or not boxes[0][0]:
+        if len(boxes) > 1:
+            raise _bad(root, fqn, f"{len(boxes)} chunks of a scalar")
+        return
+    boxes.sort()
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    compared = 0
+    for offsets, sizes in boxes:
+        active = [box for box in active if box[0][0] + box[1][0] > offsets[0]]
+        for other_offsets, other_sizes in active:
+            compared += 1
+            if compared > MAX_COMPARISONS:
+                raise _bad(root, fqn, f"{len(boxes)} chunks too entangled to check")
+            if all(
+                o < oo + os and oo < o + s
+                for o, s, oo, os in zip(offsets, sizes, other_offsets, other_sizes, strict=True)
+            ):
+                raise _bad(root, fqn, f"the chunks at {offsets} and {other_offsets} overlap")
+        active.append((offsets, sizes))
+
+
+def _bad(root: Path, fqn: str, fault: str) -> CheckpointError:
+    return CheckpointError(
+        f"{root}: the index is inconsistent for {fqn!r}: {fault}; the checkpoint is corrupt or "
+        "crafted (refused, nothing was read)"
+    )

@@ -1,0 +1,111 @@
+"""Where a rank's peers are: torchrun's variables, else SLURM's (parsed here, no scontrol)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dist_core import detect_launch, expand_nodelist, names_nccl, slurm_port
+from dist_harness import fresh_interpreter
+
+SLURM = {
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_JOB_NODELIST": "gpu[07-08,11],cpu1",
+    "SLURM_JOB_ID": "123456",
+    "SLURM_NODEID": "1",
+    "SLURM_TASKS_PER_NODE": "3(x2),2",
+    "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.1",  # the login node: never the rendezvous
+}
+TORCHRUN = {
+    "MASTER_ADDR": "host0",
+    "MASTER_PORT": "29500",
+    "RANK": "5",
+    "WORLD_SIZE": "6",
+    "LOCAL_RANK": "2",
+    "LOCAL_WORLD_SIZE": "3",
+}
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "hosts"),
+    [
+        ("node7", ["node7"]),
+        ("gpu[01-04,07]", ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07"]),
+        ("a1,b[2-3]", ["a1", "b2", "b3"]),
+        ("r[9-11]x", ["r9x", "r10x", "r11x"]),
+        ("n[008-010],m[1],login", ["n008", "n009", "n010", "m1", "login"]),
+    ],
+)
+def test_node_lists(nodelist: str, hosts: list[str]) -> None:
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["", "gpu[01-", "gpu[3-1]", "gpu[a-b]", ",x", "a,,b"])
+def test_malformed_node_lists_are_refused(bad: str) -> None:
+    with pytest.raises(ValueError, match="SLURM node list"):
+        expand_nodelist(bad)
+
+
+def test_slurm_gives_rank_world_local_rank_first_host_and_port() -> None:
+    launch = detect_launch(SLURM)
+    assert (launch.launcher, launch.rank, launch.world_size, launch.local_rank) == (
+        "slurm",
+        3,
+        8,
+        1,
+    )
+    assert launch.master_addr == "gpu07" and launch.master_port == slurm_port(123456)
+    assert launch.tasks_on_node == 3  # node 1 of "3(x2),2"
+    assert 1024 < slurm_port(123456) < 65536 and slurm_port(1) != slurm_port(2)
+
+
+def test_the_environment_overrides_slurm_and_torchrun_wins() -> None:
+    overridden = detect_launch({**SLURM, "MASTER_ADDR": "ib-gpu07", "MASTER_PORT": "31000"})
+    assert (overridden.master_addr, overridden.master_port) == ("ib-gpu07", 31000)
+    both = detect_launch({**SLURM, **TORCHRUN})
+    assert (both.launcher, both.rank, both.world_size, both.local_rank) == ("torchrun", 5, 6, 2)
+    assert both.tasks_on_node == 3 and both.master_addr == "host0"
+
+
+def test_refusals_name_what_is_missing_or_malformed() -> None:
+    with pytest.raises(ValueError, match="lacks MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE; "):
+        detect_launch({})
+    partial = {k: v for k, v in SLURM.items() if k != "SLURM_JOB_NODELIST"}
+    with pytest.raises(ValueError, match="SLURM's SLURM_JOB_NODELIST are missing too"):
+        detect_launch(partial)
+    with pytest.raises(ValueError, match="SLURM_PROCID must be an integer >= 0, got 'x'"):
+        detect_launch({**SLURM, "SLURM_PROCID": "x"})
+    with pytest.raises(ValueError, match="WORLD_SIZE must be an integer >= 1, got '0'"):
+        detect_launch({**TORCHRUN, "WORLD_SIZE": "0"})
+
+
+def test_backend_strings_that_name_nccl() -> None:
+    assert names_nccl("nccl") and names_nccl("cpu:gloo,cuda:nccl")
+    assert not names_nccl("gloo") and not names_nccl("cpu:gloo")
+
+
+def test_init_distributed_under_srun_variables_and_a_per_round_prefix() -> None:
+    """SLURM's variables alone start a group and export the env:// ones; a second rendezvous
+    round of the same attempt and world size gets a prefix of its own."""
+    out = fresh_interpreter(
+        """
+import os, socket
+import torch.distributed as dist
+from dist_core import init_distributed
+from dist_core._init import _round_prefix
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="0",
+                  SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="77", MASTER_PORT=str(port))
+device = init_distributed(timeout=30)
+print("device:", device, dist.get_world_size(), os.environ["RANK"], os.environ["MASTER_ADDR"])
+store = dist.distributed_c10d._get_default_store()._underlying_non_prefix_store
+print("next round:", _round_prefix(store, 1))
+dist.barrier()
+dist.destroy_process_group()
+"""
+    )
+    assert "device: cpu 1 0 localhost" in out
+    assert "next round: world-1-round-1" in out
