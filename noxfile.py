@@ -155,7 +155,9 @@ def tests(session: nox.Session, package: str) -> None:
     if package == "distributed-strategy":  # transformers' models and its from_pretrained
         session.install(*nox.project.dependency_groups(PYPROJECT, "test-transformers"))
     parallel: list[str] = []
-    if dist == "strategy-bench":  # mostly processes starting: two files at a time use both cores
+    # Mostly processes starting and waiting (ranks, torchrun agents, SLURM jobs): two test
+    # files at a time use both cores.
+    if package in ("strategy-bench", "integration"):
         session.install(*nox.project.dependency_groups(PYPROJECT, "test-parallel"))
         parallel = ["-n", "2", "--dist", "loadfile"]
     folder = "integration" if package == "integration" else PACKAGES[dist].import_name
