@@ -576,7 +576,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from checkpoint_io._staging import require_host_only, stage
+from checkpoint_io._staging import pinned, require_host_only, stage
 
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 mesh = DeviceMesh("cuda", [0, 1], _init_backend=False)
@@ -589,6 +589,11 @@ for value in (staged["model"]["w"], staged["optimizer"]["state"]["w"]["exp_avg"]
     assert value._local_tensor.data_ptr() != shard._local_tensor.data_ptr()
     assert torch.equal(value._local_tensor, shard._local_tensor)
     assert value.placements == (Shard(0),) and value.shape == (4, 3)
+host = {"w": torch.arange(4.0)}
+first = stage(host)["w"]
+assert not pinned(host["w"]) and not first.is_pinned()  # host sources: pageable buffers
+assert stage(host)["w"].data_ptr() == first.data_ptr()  # the buffer is kept between saves
+assert pinned(torch.empty(1, device="meta")) is False  # only CUDA sources are pinned
 try:
     require_host_only({"a": [torch.empty(1, device="meta")]})
 except RuntimeError as error:

@@ -73,12 +73,18 @@ def settle_in_flight() -> None:
     """
     if not _IN_FLIGHT:
         return
-    pending = _IN_FLIGHT.pop()
+    pending = _IN_FLIGHT[-1]
     if not pending.done():
         logger.info("waiting for the background save of %s to finish", pending.path)
     seen = pending._seen
     try:
         pending.wait()
     except BaseException:
-        if not seen:
+        if pending.done():  # finished, failed: settled (an interrupted wait stays in flight)
+            _IN_FLIGHT.clear()
+        if not seen or not pending.done():
             raise
+    else:
+        # Only now: popped before the wait, an interrupted wait (KeyboardInterrupt, a signal)
+        # let the next save reuse the staging buffers the old write was still reading.
+        _IN_FLIGHT.clear()

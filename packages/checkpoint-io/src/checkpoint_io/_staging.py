@@ -7,6 +7,12 @@ previous save when its shape, stride and dtype match, so a steady run allocates 
 buffers are free to reuse because one save is in flight at a time (the next save first waits
 for the previous write). The cost is host memory of this rank's state, held between saves.
 
+Buffers for device tensors are pinned (page-locked) host memory: the device writes into them by
+DMA, each copy is issued without blocking, and the save waits once for all of them (pageable
+buffers made every copy a blocking bounce through a driver buffer). Host tensors get pageable
+buffers: pinning needs an accelerator and buys a CPU-to-CPU copy nothing. :func:`pinned` is
+that rule, and a kept buffer is reused only where its pinning matches it.
+
 What a background save hands DCP is on the host, whatever device the model is on: a
 ``DTensor`` is rebuilt over its host shard with the original's spec (as torch's own stager
 does), never through ``DTensor.from_local``, which moves the local tensor to the mesh's device
@@ -23,7 +29,11 @@ import torch
 from torch.distributed.tensor import DTensor
 
 _Path = tuple[Any, ...]
-_BUFFERS: dict[_Path, torch.Tensor] = {}  # the previous save's host copies, by position
+_Key = tuple[Any, ...]  # the source's shape, stride, dtype and whether its buffer is pinned
+# The previous save's host copies, by position, with what they were made for. Shared by the
+# process: one save is in flight at a time (_inflight), so no two saves use them at once.
+_BUFFERS: dict[_Path, tuple[torch.Tensor, _Key]] = {}
+_DEVICES: set[torch.device] = set()  # the CUDA devices this save copies from, without blocking
 
 
 def stage(state: dict[str, Any]) -> dict[str, Any]:
@@ -34,9 +44,17 @@ def stage(state: dict[str, Any]) -> dict[str, Any]:
     """
     kept = dict(_BUFFERS)
     _BUFFERS.clear()
+    _DEVICES.clear()
     staged: dict[str, Any] = _copy(state, (), kept)
+    for device in _DEVICES:  # every device copied from (an optimizer state on another GPU)
+        torch.cuda.synchronize(device)  # its non-blocking device-to-host copies have landed
     require_host_only(staged)
     return staged
+
+
+def pinned(source: torch.Tensor) -> bool:
+    """Whether the host copy of ``source`` goes to pinned memory: a CUDA tensor's does."""
+    return source.device.type == "cuda"
 
 
 def require_host_only(state: Any, path: str = "state") -> None:
@@ -61,7 +79,7 @@ def require_host_only(state: Any, path: str = "state") -> None:
             require_host_only(item, f"{path}[{index}]")
 
 
-def _copy(value: Any, path: _Path, kept: dict[_Path, torch.Tensor]) -> Any:
+def _copy(value: Any, path: _Path, kept: dict[_Path, tuple[torch.Tensor, _Key]]) -> Any:
     if isinstance(value, DTensor):
         local = _host_copy(value.to_local(), path, kept)
         # The same spec (mesh, placements, global shape and stride) over the host shard.
@@ -76,16 +94,19 @@ def _copy(value: Any, path: _Path, kept: dict[_Path, torch.Tensor]) -> Any:
     return copy.deepcopy(value)
 
 
-def _host_copy(tensor: torch.Tensor, path: _Path, kept: dict[_Path, torch.Tensor]) -> torch.Tensor:
+def _host_copy(
+    tensor: torch.Tensor, path: _Path, kept: dict[_Path, tuple[torch.Tensor, _Key]]
+) -> torch.Tensor:
     source = tensor.detach()
-    buffer = kept.get(path)
-    if (
-        buffer is None
-        or buffer.shape != source.shape
-        or buffer.stride() != source.stride()
-        or buffer.dtype != source.dtype
-    ):
-        buffer = torch.empty_like(source, device="cpu")
-    buffer.copy_(source)
-    _BUFFERS[path] = buffer
+    pin = pinned(source)
+    # Compared with the source's layout, not the buffer's: a strided source gets a dense
+    # buffer, and an empty pinned one reads back as not pinned (no allocation to pin).
+    key = (source.shape, source.stride(), source.dtype, pin)
+    buffer, made_for = kept.get(path, (None, None))
+    if buffer is None or made_for != key:
+        buffer = torch.empty_like(source, device="cpu", pin_memory=pin)
+    buffer.copy_(source, non_blocking=pin)  # stage() waits once per device for all of them
+    if pin:
+        _DEVICES.add(source.device)
+    _BUFFERS[path] = (buffer, key)
     return buffer
