@@ -109,3 +109,20 @@ dist.destroy_process_group()
     )
     assert "device: cpu 1 0 localhost" in out
     assert "next round: world-1-round-1" in out
+
+
+def test_which_gpu_a_rank_binds() -> None:
+    """The device rule init_distributed applies under NCCL, run without CUDA."""
+    from dist_core._init import gpu_index
+
+    slurm = detect_launch(SLURM)  # local rank 1, 3 tasks on this node
+    assert gpu_index(slurm, 1, 4) == 1
+    assert gpu_index(slurm, 1, 1) == 0  # srun --gpus-per-task=1: its own one GPU
+    with pytest.raises(ValueError, match="3 ranks run on this node but 2 GPU\\(s\\) are visible"):
+        gpu_index(slurm, 1, 2)
+    torchrun = detect_launch(TORCHRUN)  # local rank 2, 3 per node
+    with pytest.raises(ValueError, match="3 ranks run on this node but 1 GPU"):
+        gpu_index(torchrun, 2, 1)
+    unknown = detect_launch({**TORCHRUN, "LOCAL_WORLD_SIZE": ""})
+    with pytest.raises(ValueError, match="LOCAL_RANK=2 but 2 GPU\\(s\\) are visible"):
+        gpu_index(unknown, 2, 2)

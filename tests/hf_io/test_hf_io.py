@@ -214,3 +214,36 @@ def test_torch_fully_shard_ddp_and_hsdp_load_and_save_their_parts(
         assert torch.equal(value, result["trained"][name]), name
     if kind != "ddp":  # each rank read its rows of the sharded tensors, not the whole file
         assert result["read"] < sum(t.numel() * t.element_size() for t in written.values())
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda m, d: save_pretrained(m, d, max_shard_size="5 parsecs"), ValueError, "'5 parsecs'"),
+        (lambda m, d: save_pretrained(m, d, max_shard_size=0), ValueError, "must be positive"),
+        (lambda m, d: save_pretrained(m, d, key_map=3), TypeError, "key_map must be a mapping"),
+        (
+            lambda m, d: save_pretrained(m, d, key_map={"body.bias": "body.weight"}),
+            ValueError,
+            "maps both 'body.weight' and 'body.bias' to 'body.weight'",
+        ),
+        (
+            lambda m, d: save_pretrained(m, d, overwrite="yes"),
+            TypeError,
+            "overwrite must be a bool",
+        ),
+        (lambda m, d: load_pretrained(m, d, strict=1), TypeError, "strict must be a bool, got int"),
+        (lambda m, d: load_pretrained(m, d / "nowhere"), FileNotFoundError, "does not exist"),
+    ],
+)
+def test_bad_arguments_are_named_and_nothing_is_written(
+    tmp_path: Path, call: object, error: type[Exception], message: str
+) -> None:
+    model = TiedNet()
+    before = _state(model)
+    save_pretrained(model, tmp_path / "ok")
+    listed = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(error, match=message):
+        call(model, tmp_path)  # type: ignore[operator]
+    assert _same(_state(model), before)
+    assert sorted(p.name for p in tmp_path.iterdir()) == listed  # nothing staged or left

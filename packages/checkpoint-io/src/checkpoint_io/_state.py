@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint_io._collective import from_rank0
 from checkpoint_io._errors import CheckpointError
-from dist_core import rank, require_current_device, unwrap_model
+from dist_core import rank, require_current_device, state_groups, unwrap_model
 from replica_init import state_fingerprint
 from strategy_config import did_you_mean
 
@@ -45,10 +45,7 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def tied_names(model: nn.Module) -> list[list[str]]:
     """Groups of the model's state-dict names that share one tensor (a tied embedding)."""
-    groups: dict[int, list[str]] = {}
-    for name, tensor in unwrap_model(model).state_dict(keep_vars=True).items():
-        groups.setdefault(id(tensor), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
+    return [list(names) for names, _ in state_groups(model) if len(names) > 1]
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:

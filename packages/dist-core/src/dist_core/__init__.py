@@ -26,6 +26,7 @@ from dist_core._memory import MemoryPeak, current_rss
 from dist_core._wrapped import (
     Strategy,
     fsdp_modules,
+    state_groups,
     strategy_of,
     unwrap_compiled,
     unwrap_model,
@@ -62,6 +63,7 @@ __all__ = [
     "require_process_group",
     "resolve_device",
     "slurm_port",
+    "state_groups",
     "strategy_of",
     "unwrap_compiled",
     "unwrap_model",

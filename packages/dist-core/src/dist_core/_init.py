@@ -105,31 +105,40 @@ def names_nccl(backend: str) -> bool:
 
 
 def _bind_gpu(backend: str, local: int, launch: Launch) -> torch.device:
-    """Check this node's ranks against its GPUs; make ``cuda:<local rank>`` current."""
+    """Check this node's ranks against its GPUs; make this rank's GPU current."""
     if not torch.cuda.is_available():
         raise ValueError(
             f"init_distributed: backend={backend!r} needs CUDA, and none is available; use "
             "backend='gloo' (or leave backend=None)"
         )
-    count = torch.cuda.device_count()
+    device = torch.device("cuda", gpu_index(launch, local, torch.cuda.device_count()))
+    torch.cuda.set_device(device)
+    return device
+
+
+def gpu_index(launch: Launch, local: int, count: int) -> int:
+    """This rank's GPU among the ``count`` visible ones (the rule, without CUDA).
+
+    ``local`` (its local rank), except under ``srun --gpus-per-task=1``, where each task sees
+    its own one GPU: 0.
+
+    Raises:
+        ValueError: More ranks on the node than GPUs, or a local rank with no such GPU.
+    """
     tasks = launch.tasks_on_node
     if launch.launcher == "slurm" and count == 1 and local > 0:
-        index = 0  # srun --gpus-per-task=1 (or --gpu-bind): each task sees its own one GPU
-    elif tasks is not None and tasks > count:
+        return 0
+    if tasks is not None and tasks > count:
         raise ValueError(
             f"init_distributed: {tasks} ranks run on this node but {count} GPU(s) are visible; "
             f"start at most one rank per GPU ({launch.launcher}: e.g. --ntasks-per-node={count} "
             f"or --nproc-per-node={count})"
         )
-    elif local >= count:
+    if local >= count:
         raise ValueError(
             f"LOCAL_RANK={local} but {count} GPU(s) are visible; start at most one rank per GPU"
         )
-    else:
-        index = local
-    device = torch.device("cuda", index)
-    torch.cuda.set_device(device)
-    return device
+    return local
 
 
 def _round_prefix(store: Store, world: int) -> str:

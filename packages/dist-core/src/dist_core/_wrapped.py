@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DataParallel, DistributedDataParallel
@@ -59,6 +60,21 @@ def unwrap_model(module: nn.Module) -> nn.Module:
             module = module.module  # type: ignore[assignment]
         else:
             return module
+
+
+def state_groups(model: nn.Module) -> list[tuple[tuple[str, ...], torch.Tensor]]:
+    """The plain model's state-dict tensors, each with every name it goes by, in order.
+
+    A tied weight (GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) is one entry
+    with both names, first name first; the names are the unwrapped model's ``state_dict()``
+    keys (persistent buffers included). Under FSDP2 the tensors are its sharded parameters.
+    """
+    groups: dict[int, list[str]] = {}
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in unwrap_model(model).state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+        tensors[id(tensor)] = tensor
+    return [(tuple(names), tensors[key]) for key, names in groups.items()]
 
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from dist_core import unwrap_model
+from dist_core import state_groups
 
 KeyMap = Mapping[str, str] | Callable[[str], str | None]
 """Names in the file -> names in the model (``load_pretrained``), or the reverse
@@ -41,12 +41,7 @@ def model_targets(model: nn.Module) -> list[Target]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__} ({model!r})")
-    groups: dict[int, list[str]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for name, tensor in unwrap_model(model).state_dict(keep_vars=True).items():
-        groups.setdefault(id(tensor), []).append(name)
-        tensors[id(tensor)] = tensor
-    return [Target(tuple(names), tensors[key]) for key, names in groups.items()]
+    return [Target(names, tensor) for names, tensor in state_groups(model)]
 
 
 def rename(names: Iterable[str], key_map: KeyMap | None, argument: str) -> dict[str, str]:
