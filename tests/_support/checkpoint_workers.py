@@ -285,11 +285,17 @@ def long_runs(rank: int, world_size: int, folder: str) -> dict[str, Any]:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(bytes(damaged) if item == data else item.read_bytes())
     dist.barrier()
+    fresh = build("fsdp", seed=4)
+    before = full(fresh)
     try:
-        load_checkpoint(root / "damaged", build("fsdp", seed=4))
+        load_checkpoint(root / "damaged", fresh)
         out["damaged"] = "no error"
     except CheckpointError as error:
         out["damaged"] = str(error)
+    after = full(fresh)  # read into staging: the damaged file changed nothing
+    out["damaged_unchanged"] = before.keys() == after.keys() and all(
+        torch.equal(before[k], after[k]) for k in before
+    )
 
     # Async: the state is staged when the call returns; the next steps do not leak into it.
     staged = full(model)

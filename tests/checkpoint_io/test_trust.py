@@ -113,12 +113,13 @@ def test_a_crafted_value_runs_nothing(tmp_path: Path) -> None:
         dcp.save(state, checkpoint_id=str(other))
     for name in [".metadata", *(p.name for p in other.glob("*.distcp"))]:
         _rehash(other, name)
-    with pytest.raises(CheckpointError, match="the checkpoint's value 'evil'.*refused as unsafe"):
-        load_checkpoint(other, fresh)
-    with pytest.raises(CheckpointError, match="refused as unsafe"):
-        consolidate_checkpoint(other, tmp_path / "one.pt")
-    assert not marker.exists()
     assert _same(fresh, before) and holder.state == "untouched"
+    # A load decodes only the records it needs: 'evil' is never read, the model loads.
+    load_checkpoint(other, Small())
+    assert not marker.exists()
+    with pytest.raises(CheckpointError, match="the checkpoint's value 'evil'.*refused as unsafe"):
+        consolidate_checkpoint(other, tmp_path / "one.pt")  # reads every entry: refused
+    assert not marker.exists()
 
 
 def test_a_stateful_value_that_cannot_be_read_back_safely_is_refused_at_save(
@@ -666,3 +667,69 @@ def test_other_param_groups_or_a_manifest_field_missing_change_nothing(tmp_path:
         load_checkpoint(path, fresh, whole, verify=False)
     assert _same(fresh, before) and not whole.state
     assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_a_load_that_fails_mid_read_changes_nothing(tmp_path: Path) -> None:
+    """Issue 51 (6): the tensors were read in place, so a record that failed after others had
+    landed left the model partly loaded. Proves: the last record of the data file zeroed (and
+    re-hashed, so only decoding can tell), the load raises and the model, the optimizer and
+    the RNG are bit-identical to before, verified or not."""
+    from checkpoint_io._safe import read_metadata
+
+    model, optimizer = trained()
+    path = save_checkpoint(tmp_path / "c", model, optimizer, step=1)
+    records = sorted(
+        (int(info.offset), int(info.length), str(info.relative_path))
+        for info in read_metadata(path).storage_data.values()
+    )
+    offset, length, name = records[-1]  # read last: every other record lands before it
+    assert any(n == name for _, _, n in records[:-1])
+    data = bytearray((path / name).read_bytes())
+    data[offset : offset + length] = bytes(length)
+    (path / name).write_bytes(bytes(data))
+    _rehash(path, name)
+    fresh = Small()
+    torch.manual_seed(5)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    fresh(torch.randn(3, 4)).sum().backward()
+    fresh_optimizer.step()
+    before, rng = _snapshot(fresh), torch.random.get_rng_state()
+    moments = {k: v.clone() for k, v in fresh_optimizer.state[fresh.body.weight].items()}
+    for verify in (True, False):
+        with pytest.raises(CheckpointError, match="torch.save's format"):
+            load_checkpoint(path, fresh, fresh_optimizer, verify=verify)
+        assert _same(fresh, before)
+        now = fresh_optimizer.state[fresh.body.weight]
+        assert all(torch.equal(now[k], v) for k, v in moments.items())
+        assert torch.equal(torch.random.get_rng_state(), rng)
+
+
+def test_each_file_is_opened_once_per_load(tmp_path: Path) -> None:
+    """Issue 51 (8): every file was read twice (hashed, then loaded). Proves, by Python's own
+    audit events: a verified load with an optimizer, stateful objects and the RNG opens each
+    file of the checkpoint exactly once, and only files the manifest recorded (plus itself)."""
+    import sys
+
+    model, optimizer = trained()
+    saved = Holder({"epoch": 3})
+    path = save_checkpoint(tmp_path / "c", model, optimizer, step=1, stateful={"s": saved})
+    recorded = set(json.loads((path / "checkpoint.json").read_text())["files"])
+    opened: list[str] = []
+    watching = [False]
+    base = os.path.realpath(path)
+
+    def hook(event: str, args: tuple[Any, ...]) -> None:
+        if watching[0] and event == "open" and isinstance(args[0], str | bytes | os.PathLike):
+            real = os.path.realpath(os.fsdecode(args[0]))
+            if real.startswith(base + os.sep):
+                opened.append(os.path.relpath(real, base))
+
+    sys.addaudithook(hook)  # cannot be removed: it records only while watching
+    fresh, holder = Small(), Holder(None)
+    watching[0] = True
+    try:
+        load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters()), stateful={"s": holder})
+    finally:
+        watching[0] = False
+    assert sorted(opened) == sorted(recorded | {"checkpoint.json"}), opened
+    assert holder.state == {"epoch": 3} and _same(fresh, _snapshot(model))

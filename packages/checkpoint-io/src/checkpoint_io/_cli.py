@@ -12,9 +12,8 @@ from typing import NoReturn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint_io._errors import CheckpointError
+from checkpoint_io._files import read_checked
 from checkpoint_io._full import consolidate_checkpoint, model_fingerprint
-from checkpoint_io._manifest import read_manifest
-from checkpoint_io._safe import read_metadata
 
 USAGE_EXIT = 2
 
@@ -68,8 +67,7 @@ def _printable(text: str) -> str:
 
 
 def _inspect(path: Path, *, fingerprint: bool) -> None:
-    manifest = read_manifest(path)
-    metadata = read_metadata(path)  # no code runs: DCP's metadata types only
+    manifest, metadata, _ = read_checked(path, verify=False)  # no code runs; index checked
     out = sys.stdout
     out.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n\n")
     rows = [

@@ -15,9 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint_io import _compat, _state
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._index import read_verified
-from checkpoint_io._manifest import read_manifest
-from checkpoint_io._safe import SafeReader, SafeWholePlanner, unsafe_cause
+from checkpoint_io._files import VerifyingReader, read_checked
+from checkpoint_io._safe import SafeWholePlanner, unsafe_cause
 from dist_core import is_distributed, unwrap_model
 
 
@@ -70,21 +69,21 @@ def model_fingerprint(path: str | os.PathLike[str]) -> str:
         CheckpointError: If it is not a readable checkpoint.
     """
     root = Path(os.fspath(path))
-    return _state.local_fingerprint(_read_whole(root).get(_state.MODEL, {}))
+    return _state.local_fingerprint(_read_whole(root)[1].get(_state.MODEL, {}))
 
 
-def _read_whole(root: Path) -> dict[str, Any]:
-    """Every entry of the checkpoint as plain tensors and values, in this process.
+def _read_whole(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The manifest, and every entry of the checkpoint as plain tensors and values.
 
     The index is read without running code and every value ``weights_only``
     (:mod:`checkpoint_io._safe`); an unsafe one raises :class:`CheckpointError`.
     """
-    _, metadata = read_verified(root)  # sizes, digests and the index before any read
+    manifest, metadata, files = read_checked(root, verify=True)  # each file's digest as it is read
     whole: dict[str, Any] = {}
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            _compat.load_in_process(whole, SafeReader(root, metadata), SafeWholePlanner())  # type: ignore[no-untyped-call]
+            _compat.load_in_process(whole, VerifyingReader(files, metadata), SafeWholePlanner())  # type: ignore[no-untyped-call]
     except CheckpointError:
         raise
     except (Exception, _compat.CheckpointException) as error:  # the latter: a BaseException
@@ -92,7 +91,7 @@ def _read_whole(root: Path) -> dict[str, Any]:
         if unsafe is not None:
             raise unsafe from None
         raise CheckpointError(f"reading {str(root)!r} failed ({error})") from None
-    return whole
+    return manifest, whole
 
 
 def consolidate_checkpoint(path: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:
@@ -115,8 +114,7 @@ def consolidate_checkpoint(path: str | os.PathLike[str], out_file: str | os.Path
         CheckpointError: If it is not a readable checkpoint.
     """
     root = Path(os.fspath(path))
-    manifest = read_manifest(root)
-    everything = _read_whole(root)  # verified first
+    manifest, everything = _read_whole(root)
     optimizer = everything.get(_state.OPTIM)
     if optimizer is not None:
         groups = optimizer["param_groups"]

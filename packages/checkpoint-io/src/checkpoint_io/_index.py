@@ -19,36 +19,12 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from checkpoint_io._digest import check_digests, check_sizes
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._manifest import read_manifest
-from checkpoint_io._safe import read_metadata
-from checkpoint_io._state import check_files
 
 MAX_CHUNKS = 1 << 16
 """Chunks one tensor may have (a world size of 65536 ranks); more is refused."""
 MAX_COMPARISONS = 1 << 22
 """Pairs of chunks whose rows meet that the overlap check compares, at most, per tensor."""
-
-
-def read_verified(root: Path) -> tuple[dict[str, Any], Metadata]:
-    """The manifest and index of ``root``, checked, with every file's size and digest.
-
-    For the offline readers (``consolidate``, ``inspect --fingerprint``, hf-io's export), which
-    read the whole checkpoint anyway: one flipped bit came out of them as -3.5e37.
-
-    Raises:
-        CheckpointError: A malformed manifest or index, a truncated or changed file.
-    """
-    manifest = read_manifest(root)
-    metadata = read_metadata(root)
-    check_files(root, metadata)
-    check_index(root, metadata, manifest)
-    files = manifest.get("files")
-    if files:
-        check_sizes(root, files)
-        check_digests(root, files, sorted(files))
-    return manifest, metadata
 
 
 def check_index(root: Path, metadata: Metadata, manifest: Mapping[str, Any]) -> None:

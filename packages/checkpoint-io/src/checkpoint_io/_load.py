@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import io
 import logging
-import pickle
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -19,18 +17,11 @@ from torch.serialization import default_restore_location
 from checkpoint_io import _state
 from checkpoint_io._collective import agree, single_process_quiet
 from checkpoint_io._compat import CheckpointException
-from checkpoint_io._digest import check_digests, check_sizes, file_entry, share
-from checkpoint_io._errors import CheckpointError, read_regular
-from checkpoint_io._index import check_index
-from checkpoint_io._manifest import RNG_DIR, CheckpointInfo, info_from, read_manifest
-from checkpoint_io._safe import (
-    SafeLoadPlanner,
-    SafeReader,
-    check_values,
-    inside,
-    read_metadata,
-    unsafe_cause,
-)
+from checkpoint_io._digest import file_entry
+from checkpoint_io._errors import CheckpointError
+from checkpoint_io._files import CheckpointFiles, VerifyingReader, read_checked
+from checkpoint_io._manifest import RNG_DIR, CheckpointInfo, info_from
+from checkpoint_io._safe import SafeLoadPlanner, inside, load_value, unsafe_cause
 from checkpoint_io._save import PathLike, check_stateful
 from checkpoint_io._stateful import StatefulLoad
 from checkpoint_io._stateful import plan_load as plan_stateful
@@ -53,10 +44,12 @@ def load_checkpoint(
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (collective).
 
     Works under any strategy and world size (DCP reshards), or in one process without a
-    process group. Everything that can be checked is checked before anything is changed (the
-    manifest, keys, shapes, dtypes, file sizes and, with ``verify``, every file's checksum):
-    on any of those errors the model, the optimizer, the stateful objects and the RNG are
-    unchanged on every rank, and every rank raises.
+    process group. All or nothing: the state is read into staging (fresh tensors on the
+    model's devices, one extra copy of this rank's share until the end), every check runs
+    (the manifest, keys, shapes, dtypes, sizes, the index, each value's safety and, with
+    ``verify``, every file's checksum from the bytes read), and only then are the model, the
+    optimizer, the stateful objects and the RNG changed. On any error, I/O failures in the
+    middle of the read included, they are unchanged on every rank, and every rank raises.
 
     Args:
         path: The checkpoint directory.
@@ -70,13 +63,10 @@ def load_checkpoint(
             streams are seeded from the saved states, the step and the new rank
             (:func:`derived_rng_seed`), with a warning: two resumes at the same world size
             continue identically, however the processes were seeded before the load.
-        verify: Check every file against the size and checksum recorded when it was written,
-            before anything is read (the files are split among the ranks: O(checkpoint /
-            world) per rank). The state is then read in place, with no second copy in memory.
-            ``verify=False`` skips the checksums; every check that needs no data (keys,
-            shapes, dtypes, file sizes) runs either way. Only an I/O error in the middle of the
-            read itself (a disk failing after the checks passed) can leave the model partly
-            loaded; the error says so.
+        verify: Check every file a rank reads against the checksum recorded when it was
+            written, computed from the bytes it decodes (each file is read once; a rank that
+            needs part of a file reads the rest to hash it). ``verify=False`` skips the
+            checksums and reads only the records needed; every other check runs either way.
 
     Returns:
         What the checkpoint says about itself.
@@ -105,49 +95,34 @@ def load_checkpoint(
     except Exception as error:
         failure = error
     agree(failure, f"reading {str(root)!r}")
-    manifest = plan["manifest"]
-    files = manifest.get("files")
-    if verify and files:  # every file checked, split among the ranks, before anything is read
-        failure = None
-        try:
-            check_digests(root, files, share(files, rank(), world_size()))
-        except Exception as error:
-            failure = error
-        agree(failure, f"verifying {str(root)!r}")
-    try:
+    staged = plan["target"]
+    try:  # into staging: each file read once, checked from the bytes decoded
         with single_process_quiet():
-            reader = SafeReader(root, plan["metadata"])  # the index read (and checked) once
-            dcp_load(plan["target"], storage_reader=reader, planner=SafeLoadPlanner())
+            reader = VerifyingReader(plan["files"], plan["metadata"])
+            dcp_load(staged, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointException as error:
         unsafe = unsafe_cause(error)
-        if unsafe is not None:  # checked before the load: only an encoded value gets here
+        if unsafe is not None:
             raise unsafe from None
-        partly = "" if plan["fresh"] else "; the model may be partly loaded: load it again"
         raise CheckpointError(
             f"reading {str(root)!r} failed: the checkpoint is truncated or corrupt "
-            f"({_first_line(error)}){partly}"
+            f"({_first_line(error)}); nothing was loaded"
         ) from None
-    loaded = plan["target"][_state.MODEL]
     failure = None
-    if plan["fresh"] and plan["complete"]:  # format 1: the gathered fingerprint
-        found = _state.fingerprint(loaded)
-        if found != manifest["fingerprint"]:
-            failure = CheckpointError(
-                f"verification failed for {str(root)!r}: the loaded model state has fingerprint "
-                f"{found[:16]}, the checkpoint recorded {manifest['fingerprint'][:16]}; the files "
-                "were changed or damaged after saving. Nothing was loaded"
-            )
-        agree(failure, f"verifying {str(root)!r}")
+    try:  # what needs the values: checked before the first change, on every rank
+        _check_staged(root, model, optimizer, plan)
+    except Exception as error:
+        failure = error
+    agree(failure, f"verifying {str(root)!r}")
     # Everything read and checked on every rank: now change the model, optimizer, RNG.
-    if plan["fresh"]:  # read into fresh tensors: copy them in (in place, they are the model's own)
-        set_model_state_dict(model, loaded, options=StateDictOptions(strict=strict))
+    set_model_state_dict(model, staged[_state.MODEL], options=StateDictOptions(strict=strict))
     if optimizer is not None:
-        _state.load_optimizer(model, optimizer, plan["target"][_state.OPTIM])
+        _state.load_optimizer(model, optimizer, staged[_state.OPTIM])
     if plan["stateful"] is not None:
-        plan["stateful"].apply(stateful or {}, plan["target"].get(_state.STATEFUL, {}))
+        plan["stateful"].apply(stateful or {}, staged.get(_state.STATEFUL, {}))
     else:
         for name, obj in (stateful or {}).items():
-            obj.load_state_dict(plan["target"][_state.STATEFUL][name])
+            obj.load_state_dict(staged[_state.STATEFUL][name])
     if plan["rng"] is not None:
         plan["rng"]()
     info: CheckpointInfo = plan["info"]
@@ -176,38 +151,24 @@ def _prepare(
     rng: bool,
     verify: bool,
 ) -> dict[str, Any]:
-    """Read and check everything that can be checked before the load; build the target.
+    """Read and check everything that can be checked before the data; build the staging.
 
-    The target's tensors are the model's and the optimizer's own (loaded in place), except
-    when a format-1 checkpoint is verified (``"fresh"``): its check needs the loaded state, so
-    it is read into new tensors and the model is untouched until the copy.
+    The staging holds fresh tensors shaped like the model's and the optimizer's (on their
+    devices): the load reads into it, and the model is untouched until everything was read
+    and checked.
     """
-    manifest = read_manifest(root)
-    fresh = verify and not manifest.get("files")
-    metadata = read_metadata(root)  # no code runs, every file name inside the checkpoint
-    _state.check_files(root, metadata)
-    check_index(root, metadata, manifest)  # chunks tile each tensor, files all recorded
-    values = check_values(root, metadata)  # every non-tensor value weights_only, first
+    manifest, metadata, files = read_checked(root, verify=verify)
     info = _checked_info(manifest, root)  # a malformed manifest fails here, not at the end
-    if manifest.get("files"):
-        check_sizes(root, manifest["files"])
     current = _state.model_state(model)
     keys = _state.check_model_keys(current, metadata, strict=strict)
-    target: dict[str, Any] = {
-        _state.MODEL: {k: _state.template(current[k]) if fresh else current[k] for k in keys}
-    }
+    target: dict[str, Any] = {_state.MODEL: {k: _state.template(current[k]) for k in keys}}
     if optimizer is not None:
         if not manifest.get("optimizer"):
             raise CheckpointError(
                 f"an optimizer was passed, but {str(root)!r} was saved without one; call "
                 "load_checkpoint without optimizer=, or save with save_checkpoint(..., optimizer)"
             )
-        target[_state.OPTIM] = _state.optimizer_template(
-            model, optimizer, metadata, strict=strict, in_place=not fresh
-        )
-        groups = [v for k, v in values.items() if k == f"{_state.OPTIM}.param_groups"]
-        if groups:  # other groups raise now, before the model is touched
-            _state.check_optimizer_groups(model, optimizer, _state.saved_param_groups(groups[0]))
+        target[_state.OPTIM] = _state.optimizer_template(model, optimizer, metadata, strict=strict)
     stateful_plan: StatefulLoad | None = None
     if stateful:
         saved = set(manifest.get("stateful") or ())
@@ -219,7 +180,7 @@ def _prepare(
             )
         if manifest.get("stateful_state") is not None:  # format 3: per rank, as saved
             stateful_plan = plan_stateful(
-                root,
+                files,
                 manifest,
                 stateful,
                 rank=rank(),
@@ -232,16 +193,40 @@ def _prepare(
             target[_state.STATEFUL] = {
                 name: _state.template(obj.state_dict()) for name, obj in stateful.items()
             }
+    complete = len(keys) == len(current) == len(_state.saved_entries(metadata, _state.MODEL))
     return {
         "manifest": manifest,
         "target": target,
-        "complete": len(keys) == len(current) == len(_state.saved_entries(metadata, _state.MODEL)),
-        "rng": _rng_restore(root, manifest, _state.model_device(model)) if rng else None,
-        "fresh": fresh,
+        "fingerprint": verify and not files.table and complete,  # format 1: the gathered one
+        "rng": _rng_restore(files, manifest, _state.model_device(model)) if rng else None,
         "stateful": stateful_plan,
         "metadata": metadata,
+        "files": files,
         "info": info,
     }
+
+
+def _check_staged(
+    root: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, Any]
+) -> None:
+    """The checks that need the values read: the optimizer's groups, format 1's fingerprint.
+
+    Raises:
+        CheckpointError: Other parameter groups; a fingerprint that differs.
+    """
+    staged = plan["target"]
+    if plan["fingerprint"]:  # collective: first, on every rank alike
+        found = _state.fingerprint(staged[_state.MODEL])
+        recorded = plan["manifest"]["fingerprint"]
+        if found != recorded:
+            raise CheckpointError(
+                f"verification failed for {str(root)!r}: the loaded model state has fingerprint "
+                f"{found[:16]}, the checkpoint recorded {str(recorded)[:16]}; the files were "
+                "changed or damaged after saving. Nothing was loaded"
+            )
+    if optimizer is not None:
+        groups = _state.saved_param_groups(staged[_state.OPTIM]["param_groups"])
+        _state.check_optimizer_groups(model, optimizer, groups)
 
 
 def _checked_info(manifest: dict[str, Any], root: Path) -> CheckpointInfo:
@@ -254,7 +239,7 @@ def _checked_info(manifest: dict[str, Any], root: Path) -> CheckpointInfo:
 
 
 def _rng_restore(
-    root: Path, manifest: Mapping[str, Any], device: torch.device
+    files: CheckpointFiles, manifest: Mapping[str, Any], device: torch.device
 ) -> Callable[[], None] | None:
     """What sets this rank's RNG after the load (read and checked now, applied last).
 
@@ -263,6 +248,7 @@ def _rng_restore(
     """
     if not manifest.get("rng"):
         return None
+    root = files.root
     saved_world = int(manifest["world_size"])
     if saved_world != world_size():
         seed = derived_rng_seed(root, manifest, rank())
@@ -277,7 +263,7 @@ def _rng_restore(
             world_size(),
         )
         return lambda: seed_rng(seed, device=device)
-    state = _saved_rng_state(root)
+    state = _saved_rng_state(files)
     return lambda: restore_rng_state(state)
 
 
@@ -309,19 +295,15 @@ def derived_rng_seed(root: Path, manifest: Mapping[str, Any], new_rank: int) -> 
     )
 
 
-def _saved_rng_state(root: Path) -> RngState:
-    file = inside(root, f"{RNG_DIR}/rank{rank()}.pt", source=str(root / "checkpoint.json"))
-    try:
-        state: RngState = torch.load(io.BytesIO(read_regular(file)), weights_only=True)
-    except CheckpointError:
-        raise
-    except pickle.UnpicklingError as error:
+def _saved_rng_state(files: CheckpointFiles) -> RngState:
+    name = f"{RNG_DIR}/rank{rank()}.pt"
+    file = files.root / name
+    state: RngState = load_value(files.read(name), f"the RNG state {file}", "cpu")
+    if not isinstance(state, dict) or not isinstance(state.get("cpu"), torch.Tensor):
         raise CheckpointError(
-            f"{file} was refused as unsafe: it holds something other than an RNG state "
-            f"({_first_line(error)}). Nothing was loaded"
-        ) from None
-    except Exception as error:
-        raise CheckpointError(f"{file} is missing or corrupt ({_first_line(error)})") from None
+            f"{file} holds a {type(state).__name__}, not an RNG state; the checkpoint is "
+            "corrupt. Nothing was loaded"
+        )
     device = state.get("device")
     if device is not None:
         current = _current_index(device["type"])

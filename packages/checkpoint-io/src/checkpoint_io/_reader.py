@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from checkpoint_io import _compat, _state
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._index import read_verified
-from checkpoint_io._safe import SafeLoadPlanner, SafeReader, unsafe_cause
+from checkpoint_io._files import CheckpointFiles, VerifyingReader, read_checked
+from checkpoint_io._safe import SafeLoadPlanner, unsafe_cause
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,7 @@ class SavedModel:
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
     tied: tuple[tuple[str, ...], ...]
     _metadata: Metadata = dataclasses.field(repr=False)
+    _files: CheckpointFiles = dataclasses.field(repr=False)
 
     def read(self, name: str) -> torch.Tensor:
         """The whole tensor ``name`` as a CPU tensor (only its chunks are read).
@@ -46,7 +47,7 @@ class SavedModel:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 _compat.load_in_process(
-                    state, SafeReader(self.path, self._metadata), SafeLoadPlanner()
+                    state, VerifyingReader(self._files, self._metadata), SafeLoadPlanner()
                 )
         except CheckpointError:
             raise
@@ -61,14 +62,17 @@ def saved_model(path: str | os.PathLike[str]) -> SavedModel:
     """Describe the model tensors of the checkpoint at ``path`` (offline, one process).
 
     Reads the manifest and DCP's index (no code runs) and checks every file's size and
-    digest; tensors are read by ``read``.
+    digest (a pass over the files: ``read`` then reads one record at a time, not whole
+    files); tensors are read by ``read``.
 
     Raises:
         FileNotFoundError: If ``path`` does not exist.
         CheckpointError: If it is not a readable checkpoint.
     """
     root = Path(os.fspath(path))
-    manifest, metadata = read_verified(root)  # sizes, digests and the index first
+    manifest, metadata, files = read_checked(root, verify=True)
+    files.check_all()  # digests first: each read below takes only its records
+    records = CheckpointFiles(root, manifest, verify=False)
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for key, storage in _state.saved_entries(metadata, _state.MODEL).items():
         if len(key) == 1 and isinstance(storage, TensorStorageMetadata):
@@ -81,4 +85,4 @@ def saved_model(path: str | os.PathLike[str]) -> SavedModel:
         isinstance(g, list) and all(isinstance(n, str) and n in tensors for n in g) for g in tied
     ):
         raise CheckpointError(f"{root}'s manifest has a malformed 'tied' list")
-    return SavedModel(root, tensors, tuple(tuple(g) for g in tied), metadata)
+    return SavedModel(root, tensors, tuple(tuple(g) for g in tied), metadata, records)

@@ -23,8 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from checkpoint_io._compat import EmptyStateDictLoadPlanner, set_element
@@ -128,8 +127,13 @@ class _MetadataUnpickler(pickle._Unpickler):
         )
 
 
-def read_metadata(path: Path) -> Metadata:
+def read_metadata(path: Path, data: bytes | None = None) -> Metadata:
     """DCP's ``.metadata`` of the checkpoint at ``path``, read without running its code.
+
+    Args:
+        path: The checkpoint directory.
+        data: The file's bytes, when the caller read (and verified) them; else it is opened
+            here.
 
     Raises:
         CheckpointError: If it holds anything but DCP's metadata types (refused as unsafe),
@@ -137,8 +141,11 @@ def read_metadata(path: Path) -> Metadata:
     """
     file = path / ".metadata"
     try:
-        with open_regular(file) as stream:
-            metadata = _MetadataUnpickler(stream, str(file)).load()
+        if data is not None:
+            metadata = _MetadataUnpickler(io.BytesIO(data), str(file)).load()
+        else:
+            with open_regular(file) as stream:
+                metadata = _MetadataUnpickler(stream, str(file)).load()
     except CheckpointError:
         raise
     except Exception as error:
@@ -335,24 +342,6 @@ def safe_bytes(value: Any, what: str) -> bytes:
     return buffer.getvalue()
 
 
-class SafeReader(FileSystemReader):
-    """DCP's file reader whose index (``.metadata``) is read by :func:`read_metadata`."""
-
-    def __init__(self, path: Path, metadata: Metadata | None = None) -> None:
-        super().__init__(str(path))
-        self.root = path
-        self._metadata = metadata  # already read (and checked) by the caller
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The index, read without running code, every file name inside the checkpoint."""
-        metadata = self._metadata if self._metadata is not None else read_metadata(self.root)
-        meta = metadata.storage_meta
-        if meta is None:
-            meta = metadata.storage_meta = StorageMeta()
-        meta.load_id = self.load_id
-        return metadata
-
-
 class _SafeBytes:
     """A load planner's ``load_bytes`` reading every non-tensor value ``weights_only``."""
 
@@ -395,35 +384,3 @@ def unsafe_cause(error: BaseException) -> CheckpointError | None:
                 return found
     cause = error.__cause__ or error.__context__
     return unsafe_cause(cause) if cause is not None else None
-
-
-def check_values(root: Path, metadata: Metadata) -> dict[str, Any]:
-    """Read every non-tensor value of the checkpoint ``weights_only`` before anything is loaded.
-
-    They are small (hyperparameters, step counters, plain Python state); reading them first
-    means an unsafe one is refused before any tensor of the model is overwritten, and the
-    load can check them (the optimizer's groups) before anything changes.
-
-    Returns:
-        ``fqn -> value`` of every value read (encoded ones are read by the load planner).
-
-    Raises:
-        CheckpointError: Naming the first value refused as unsafe, or a file outside.
-    """
-    kinds = metadata.state_dict_metadata
-    values = [
-        (index, info)
-        for index, info in (metadata.storage_data or {}).items()
-        if isinstance(kinds.get(index.fqn), BytesStorageMetadata)
-    ]
-    read: dict[str, Any] = {}
-    for index, info in sorted(values, key=lambda item: item[0].fqn):
-        if getattr(info, "transform_descriptors", None):
-            continue  # an encoded value: read (weights_only) by the load planner instead
-        file = inside(root, str(info.relative_path), source=str(root / ".metadata"))
-        with open_regular(file) as stream:
-            stream.seek(int(info.offset))
-            data = stream.read(int(info.length))
-        what = f"the checkpoint's value {index.fqn!r} (in {file.name})"
-        read[index.fqn] = load_value(data, what, "cpu")
-    return read

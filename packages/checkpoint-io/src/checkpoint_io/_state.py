@@ -250,15 +250,13 @@ def optimizer_template(
     metadata: Metadata,
     *,
     strict: bool,
-    in_place: bool,
 ) -> dict[str, Any]:
     """What to load the saved optimizer state into: shaped like each parameter where it is.
 
-    With ``in_place``, the optimizer's own state tensors are reused where their shape and
-    dtype fit (no second copy of the moments in memory).
+    Fresh tensors (the staging of a load): the optimizer's own state is replaced only once
+    everything was read and checked.
     """
     params = dict(unwrap_model(model).named_parameters())
-    live = _live_optimizer_state(model, optimizer) if in_place else {}
     state: dict[str, dict[str, Any]] = {}
     for path, storage in saved_entries(metadata, OPTIM).items():
         if path[0] != "state":
@@ -273,15 +271,8 @@ def optimizer_template(
                     "strict=False to skip it"
                 )
             continue
-        current = live.get(name, {}).get(key)
         if not isinstance(storage, TensorStorageMetadata):
             state.setdefault(name, {})[key] = None
-        elif (
-            isinstance(current, torch.Tensor)
-            and tuple(current.shape) == tuple(storage.size)
-            and current.dtype == storage.properties.dtype
-        ):
-            state.setdefault(name, {})[key] = current
         elif tuple(storage.size) == tuple(param.shape):
             state.setdefault(name, {})[key] = torch.empty_like(
                 param, dtype=storage.properties.dtype
@@ -292,17 +283,6 @@ def optimizer_template(
                 tuple(storage.size), dtype=storage.properties.dtype, device=device
             )
     return {"state": state, "param_groups": io.BytesIO()}
-
-
-def _live_optimizer_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, dict[str, Any]]:
-    names = parameter_names(model)
-    return {
-        names[id(param)]: values
-        for param, values in optimizer.state.items()
-        if id(param) in names and isinstance(values, dict)
-    }
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -22,14 +22,16 @@ import dataclasses
 import hashlib
 import io
 from collections.abc import Callable, Mapping
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from checkpoint_io._errors import CheckpointError, read_regular
-from checkpoint_io._safe import inside, load_value, safe_bytes
+from checkpoint_io._errors import CheckpointError
+from checkpoint_io._safe import load_value, safe_bytes
+
+if TYPE_CHECKING:
+    from checkpoint_io._files import CheckpointFiles
 
 STATEFUL_DIR = "stateful"
 _MARK = "__checkpoint_io_sharded__"  # a DTensor leaf's place in the per-rank state
@@ -180,7 +182,7 @@ class StatefulLoad:
 
 
 def plan_load(
-    root: Path,
+    files: CheckpointFiles,
     manifest: Mapping[str, Any],
     stateful: Mapping[str, Any],
     *,
@@ -224,8 +226,8 @@ def plan_load(
     local: dict[str, Any] = {}
     for source in sorted(set(file_of.values())):
         names = [name for name, where in file_of.items() if where == source]
-        file = inside(root, file_name(source), source=str(root / "checkpoint.json"))
-        data = _read(file)
+        file = files.root / file_name(source)
+        data = files.read(file_name(source))
         everything = load_value(
             io.BytesIO(data), f"the stateful state of rank {source} ({file})", map_location
         )
@@ -249,10 +251,3 @@ def plan_load(
             )
         targets[name] = {key: torch.empty_like(fresh[key]) for key in keys}
     return StatefulLoad(local, targets)
-
-
-def _read(file: Path) -> bytes:
-    try:
-        return read_regular(file)
-    except OSError as error:
-        raise CheckpointError(f"{file} is missing or unreadable ({error})") from None
