@@ -309,7 +309,7 @@ def long_runs(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 
     # An async save whose background write fails on rank 1 only: every rank raises at wait();
     # nothing published. (A value that cannot be written is refused before staging now.)
-    from checkpoint_io._digest import HashingWriter
+    from checkpoint_io._write.hashing import HashingWriter
 
     write_data = HashingWriter.write_data
 

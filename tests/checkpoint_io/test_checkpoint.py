@@ -581,7 +581,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from checkpoint_io._staging import pinned, require_host_only, stage
+from checkpoint_io._write.staging import pinned, require_host_only, stage
 
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 mesh = DeviceMesh("cuda", [0, 1], _init_backend=False)
@@ -626,7 +626,7 @@ def test_the_writer_writes_on_this_ranks_device(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from checkpoint_io._digest import HashingWriter
+    from checkpoint_io._write.hashing import HashingWriter
     from fake_accelerator import FakeAccelerator, patch_device_module
 
     fake = FakeAccelerator(4)

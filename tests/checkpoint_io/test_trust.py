@@ -175,7 +175,7 @@ def _swap_words(data: bytes, offset: int) -> bytes:
     ids=["flipped-bit", "swapped-words", "truncated-tail"],
 )
 def test_the_digest_detects_damage(tmp_path: Path, damage: Any) -> None:
-    from checkpoint_io._digest import file_entry
+    from checkpoint_io._format.digest import file_entry
 
     model, _ = trained()
     path = save_checkpoint(tmp_path / "c", model)
@@ -216,7 +216,7 @@ def test_everything_is_fsynced_before_the_old_checkpoint_goes(
 ) -> None:
     import shutil
 
-    from checkpoint_io import _save
+    from checkpoint_io._write import publish as _publish
 
     events: list[str] = []
     fsync, rmtree = os.fsync, shutil.rmtree
@@ -232,7 +232,7 @@ def test_everything_is_fsynced_before_the_old_checkpoint_goes(
     model, _ = trained()
     save_checkpoint(tmp_path / "c", model, stateful={"h": Holder({"a": 1})})
     monkeypatch.setattr(os, "fsync", spy_fsync)
-    monkeypatch.setattr(_save.shutil, "rmtree", spy_rmtree)
+    monkeypatch.setattr(_publish.shutil, "rmtree", spy_rmtree)
     save_checkpoint(tmp_path / "c", model, stateful={"h": Holder({"a": 2})}, overwrite=True)
     synced = [e.split(" ", 1)[1] for e in events if e.startswith("fsync")]
     partial = next(s for s in synced if s.startswith(".c.partial")).split("/")[0]
@@ -468,7 +468,7 @@ class TestBoundedValues:
         import io
         import zipfile
 
-        from checkpoint_io._safe import load_value
+        from checkpoint_io._format.values import load_value
 
         model, _ = trained()
         with pytest.raises(TypeError, match="holds a bytearray"):
@@ -515,7 +515,7 @@ def test_build_on_an_enum_member_or_a_function_is_refused(tmp_path: Path) -> Non
     Only instances the unpickling created of DCP's dataclasses may be built."""
     from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
 
-    from checkpoint_io._safe import read_metadata
+    from checkpoint_io._format.metadata import read_metadata
 
     member = b"ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R"
     function = b"ctorch.serialization\n_get_layout\n"
@@ -540,7 +540,7 @@ def test_names_reach_the_terminal_escaped_and_buffers_nest_one_level(tmp_path: P
     byte buffer inside a byte buffer is refused (K buffers D deep made K^D loads)."""
     import io
 
-    from checkpoint_io._safe import load_value
+    from checkpoint_io._format.values import load_value
 
     class Odd(nn.Module):
         def __init__(self) -> None:
@@ -674,7 +674,7 @@ def test_a_load_that_fails_mid_read_changes_nothing(tmp_path: Path) -> None:
     landed left the model partly loaded. Proves: the last record of the data file zeroed (and
     re-hashed, so only decoding can tell), the load raises and the model, the optimizer and
     the RNG are bit-identical to before, verified or not."""
-    from checkpoint_io._safe import read_metadata
+    from checkpoint_io._format.metadata import read_metadata
 
     model, optimizer = trained()
     path = save_checkpoint(tmp_path / "c", model, optimizer, step=1)
@@ -733,3 +733,43 @@ def test_each_file_is_opened_once_per_load(tmp_path: Path) -> None:
         watching[0] = False
     assert sorted(opened) == sorted(recorded | {"checkpoint.json"}), opened
     assert holder.state == {"epoch": 3} and _same(fresh, _snapshot(model))
+
+
+def test_a_tensor_record_is_a_view_checked_against_its_members() -> None:
+    """The load's fast path (no copy of a record): a record decodes to a view of the bytes read;
+    a storage member shorter than its pickle claims is refused without an allocation; a
+    deflated record or one building a bytearray leaves the fast path, and the slow path refuses
+    it (proves: no size is taken from the pickle, nothing is inflated)."""
+    import io
+    import zipfile
+
+    from checkpoint_io._format.values import load_value, tensor_record
+
+    def record(value: Any) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        return buffer.getvalue()
+
+    def rezip(data: bytes, change: Any, method: int = zipfile.ZIP_STORED) -> bytes:
+        out = io.BytesIO()
+        with zipfile.ZipFile(io.BytesIO(data)) as source, zipfile.ZipFile(out, "w") as target:
+            for item in source.infolist():
+                target.writestr(item.filename, change(item.filename, source.read(item)), method)
+        return out.getvalue()
+
+    good = bytearray(record(torch.arange(6.0).view(2, 3)))
+    view = tensor_record(memoryview(good), "the record")
+    assert view is not None and torch.equal(view, torch.arange(6.0).view(2, 3))
+    start = torch.frombuffer(good, dtype=torch.uint8).data_ptr()
+    assert start <= view.data_ptr() < start + len(good)  # a view of the bytes read: no copy
+    short = rezip(bytes(good), lambda name, data: data[:8] if "/data/" in name else data)
+    with pytest.raises(CheckpointError, match="needs 24 bytes, its member has 8"):
+        tensor_record(memoryview(bytearray(short)), "the short record")
+    deflated = rezip(bytes(good), lambda name, data: data, zipfile.ZIP_DEFLATED)
+    assert tensor_record(memoryview(bytearray(deflated)), "the deflated record") is None
+    with pytest.raises(CheckpointError, match="a compressed record"):
+        load_value(deflated, "the deflated record")
+    builds = record({"blob": bytearray(4)})
+    assert tensor_record(memoryview(bytearray(builds)), "the crafted record") is None
+    with pytest.raises(CheckpointError, match="holds a bytearray"):
+        load_value(builds, "the crafted record")

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from checkpoint_io._async import async_save_checkpoint
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._full import consolidate_checkpoint, full_state_dict
-from checkpoint_io._inflight import PendingCheckpoint
-from checkpoint_io._latest import latest_checkpoint
-from checkpoint_io._load import load_checkpoint
-from checkpoint_io._manager import CheckpointManager
-from checkpoint_io._manifest import CheckpointInfo
-from checkpoint_io._reader import SavedModel, saved_model
-from checkpoint_io._save import save_checkpoint
+from checkpoint_io._format.manifest import CheckpointInfo
+from checkpoint_io._manager.manager import CheckpointManager
+from checkpoint_io._manager.steps import latest_checkpoint
+from checkpoint_io._read.load import load_checkpoint
+from checkpoint_io._read.saved import SavedModel, saved_model
+from checkpoint_io._read.whole import consolidate_checkpoint
+from checkpoint_io._state.full import full_state_dict
+from checkpoint_io._write.async_save import async_save_checkpoint
+from checkpoint_io._write.inflight import PendingCheckpoint
+from checkpoint_io._write.save import save_checkpoint
 
 __all__ = [
     "CheckpointError",

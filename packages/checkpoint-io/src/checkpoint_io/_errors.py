@@ -29,3 +29,9 @@ def open_regular(file: Path) -> BinaryIO:
 def read_regular(file: Path) -> bytes:
     """The whole content of a checkpoint's file, opened by :func:`open_regular`."""
     return dist_core.read_regular(file, error=CheckpointError, holder="a checkpoint")
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (at most 200 characters), for a one-line error."""
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else type(error).__name__

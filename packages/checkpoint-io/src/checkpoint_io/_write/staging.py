@@ -29,10 +29,16 @@ import torch
 from torch.distributed.tensor import DTensor
 
 _Path = tuple[Any, ...]
+
+
 _Key = tuple[Any, ...]  # the source's shape, stride, dtype and whether its buffer is pinned
+
+
 # The previous save's host copies, by position, with what they were made for. Shared by the
 # process: one save is in flight at a time (_inflight), so no two saves use them at once.
 _BUFFERS: dict[_Path, tuple[torch.Tensor, _Key]] = {}
+
+
 _DEVICES: set[torch.device] = set()  # the CUDA devices this save copies from, without blocking
 
 

@@ -4,18 +4,29 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from checkpoint_io._errors import CheckpointError, read_regular
 
 FORMAT = "checkpoint_io"
+
+
 # 2: a table of every file's size and checksum ("files") replaces the gathered model fingerprint.
 # 3: the files' digests are xxh3_128 (2: wsum64); stateful objects' state is kept per rank
 #    ("stateful_state"); reading runs no code from the checkpoint.
 FORMAT_VERSION = 3
+
+
+PathLike = str | os.PathLike[str]
+"""A checkpoint's path, as the public functions take it."""
 MANIFEST = "checkpoint.json"
+
+
 METADATA_FILE = ".metadata"  # DCP's own index, written by the coordinator
+
+
 RNG_DIR = "rng"
 
 
@@ -95,3 +106,6 @@ def info_from(manifest: dict[str, Any], path: Path) -> CheckpointInfo:
         fingerprint=str(manifest["fingerprint"]) if manifest.get("fingerprint") else None,
         path=path,
     )
+
+
+MODEL, OPTIM, STATEFUL = "model", "optim", "stateful"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,19 +14,40 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.serialization import default_restore_location
 
-from checkpoint_io import _state
 from checkpoint_io._collective import agree, single_process_quiet
 from checkpoint_io._compat import CheckpointException
-from checkpoint_io._digest import file_entry
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._files import CheckpointFiles, VerifyingReader, read_checked
-from checkpoint_io._manifest import RNG_DIR, CheckpointInfo, info_from
-from checkpoint_io._safe import SafeLoadPlanner, inside, load_value, unsafe_cause
-from checkpoint_io._save import PathLike, check_stateful
-from checkpoint_io._stateful import StatefulLoad
-from checkpoint_io._stateful import plan_load as plan_stateful
+from checkpoint_io._format.index import saved_entries
+from checkpoint_io._format.manifest import (
+    MODEL,
+    OPTIM,
+    STATEFUL,
+    CheckpointInfo,
+    PathLike,
+    info_from,
+)
+from checkpoint_io._read.files import read_checked
+from checkpoint_io._read.planner import SafeLoadPlanner, unsafe_cause
+from checkpoint_io._read.rng import rng_restore
+from checkpoint_io._read.stateful import StatefulLoad
+from checkpoint_io._read.stateful import plan_load as plan_stateful
+from checkpoint_io._read.storage import VerifyingReader
+from checkpoint_io._state.model import (
+    check_model_keys,
+    fingerprint,
+    model_device,
+    model_state,
+    require_model_device,
+    template,
+)
+from checkpoint_io._state.optimizer import (
+    check_optimizer_groups,
+    load_optimizer,
+    optimizer_template,
+    saved_param_groups,
+)
+from checkpoint_io._state.stateful import check_stateful
 from dist_core import log_rank0, rank, strategy_of, world_size
-from rng_fork import RngState, derive_seed, restore_rng_state, seed_rng
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +111,7 @@ def load_checkpoint(
     failure: BaseException | None = None
     plan: dict[str, Any] = {}
     try:
-        _state.require_model_device(model, "load_checkpoint")
+        require_model_device(model, "load_checkpoint")
         plan = _prepare(root, model, optimizer, stateful, strict=strict, rng=rng, verify=verify)
     except Exception as error:
         failure = error
@@ -106,7 +127,7 @@ def load_checkpoint(
             raise unsafe from None
         raise CheckpointError(
             f"reading {str(root)!r} failed: the checkpoint is truncated or corrupt "
-            f"({_first_line(error)}); nothing was loaded"
+            f"({_last_line(error)}); nothing was loaded"
         ) from None
     failure = None
     try:  # what needs the values: checked before the first change, on every rank
@@ -115,14 +136,14 @@ def load_checkpoint(
         failure = error
     agree(failure, f"verifying {str(root)!r}")
     # Everything read and checked on every rank: now change the model, optimizer, RNG.
-    set_model_state_dict(model, staged[_state.MODEL], options=StateDictOptions(strict=strict))
+    set_model_state_dict(model, staged[MODEL], options=StateDictOptions(strict=strict))
     if optimizer is not None:
-        _state.load_optimizer(model, optimizer, staged[_state.OPTIM])
+        load_optimizer(model, optimizer, staged[OPTIM])
     if plan["stateful"] is not None:
-        plan["stateful"].apply(stateful or {}, staged.get(_state.STATEFUL, {}))
+        plan["stateful"].apply(stateful or {}, staged.get(STATEFUL, {}))
     else:
         for name, obj in (stateful or {}).items():
-            obj.load_state_dict(staged[_state.STATEFUL][name])
+            obj.load_state_dict(staged[STATEFUL][name])
     if plan["rng"] is not None:
         plan["rng"]()
     info: CheckpointInfo = plan["info"]
@@ -159,16 +180,16 @@ def _prepare(
     """
     manifest, metadata, files = read_checked(root, verify=verify)
     info = _checked_info(manifest, root)  # a malformed manifest fails here, not at the end
-    current = _state.model_state(model)
-    keys = _state.check_model_keys(current, metadata, strict=strict)
-    target: dict[str, Any] = {_state.MODEL: {k: _state.template(current[k]) for k in keys}}
+    current = model_state(model)
+    keys = check_model_keys(current, metadata, strict=strict)
+    target: dict[str, Any] = {MODEL: {k: template(current[k]) for k in keys}}
     if optimizer is not None:
         if not manifest.get("optimizer"):
             raise CheckpointError(
                 f"an optimizer was passed, but {str(root)!r} was saved without one; call "
                 "load_checkpoint without optimizer=, or save with save_checkpoint(..., optimizer)"
             )
-        target[_state.OPTIM] = _state.optimizer_template(model, optimizer, metadata, strict=strict)
+        target[OPTIM] = optimizer_template(model, optimizer, metadata, strict=strict)
     stateful_plan: StatefulLoad | None = None
     if stateful:
         saved = set(manifest.get("stateful") or ())
@@ -185,20 +206,18 @@ def _prepare(
                 stateful,
                 rank=rank(),
                 world_size=world_size(),
-                map_location=_onto(_state.model_device(model)),
+                map_location=_onto(model_device(model)),
             )
             if stateful_plan.targets:
-                target[_state.STATEFUL] = stateful_plan.targets
+                target[STATEFUL] = stateful_plan.targets
         else:  # formats 1 and 2: under one key, into the fresh state's structure
-            target[_state.STATEFUL] = {
-                name: _state.template(obj.state_dict()) for name, obj in stateful.items()
-            }
-    complete = len(keys) == len(current) == len(_state.saved_entries(metadata, _state.MODEL))
+            target[STATEFUL] = {name: template(obj.state_dict()) for name, obj in stateful.items()}
+    complete = len(keys) == len(current) == len(saved_entries(metadata, MODEL))
     return {
         "manifest": manifest,
         "target": target,
         "fingerprint": verify and not files.table and complete,  # format 1: the gathered one
-        "rng": _rng_restore(files, manifest, _state.model_device(model)) if rng else None,
+        "rng": rng_restore(files, manifest, model_device(model)) if rng else None,
         "stateful": stateful_plan,
         "metadata": metadata,
         "files": files,
@@ -216,7 +235,7 @@ def _check_staged(
     """
     staged = plan["target"]
     if plan["fingerprint"]:  # collective: first, on every rank alike
-        found = _state.fingerprint(staged[_state.MODEL])
+        found = fingerprint(staged[MODEL])
         recorded = plan["manifest"]["fingerprint"]
         if found != recorded:
             raise CheckpointError(
@@ -225,8 +244,8 @@ def _check_staged(
                 "changed or damaged after saving. Nothing was loaded"
             )
     if optimizer is not None:
-        groups = _state.saved_param_groups(staged[_state.OPTIM]["param_groups"])
-        _state.check_optimizer_groups(model, optimizer, groups)
+        groups = saved_param_groups(staged[OPTIM]["param_groups"])
+        check_optimizer_groups(model, optimizer, groups)
 
 
 def _checked_info(manifest: dict[str, Any], root: Path) -> CheckpointInfo:
@@ -236,97 +255,6 @@ def _checked_info(manifest: dict[str, Any], root: Path) -> CheckpointInfo:
         raise CheckpointError(
             f"{root}'s manifest is malformed ({type(error).__name__}: {error}); nothing was loaded"
         ) from None
-
-
-def _rng_restore(
-    files: CheckpointFiles, manifest: Mapping[str, Any], device: torch.device
-) -> Callable[[], None] | None:
-    """What sets this rank's RNG after the load (read and checked now, applied last).
-
-    At the world size that saved: rank r's saved state. At another: streams derived from
-    the checkpoint (:func:`derived_rng_seed`), the same however the process was seeded.
-    """
-    if not manifest.get("rng"):
-        return None
-    root = files.root
-    saved_world = int(manifest["world_size"])
-    if saved_world != world_size():
-        seed = derived_rng_seed(root, manifest, rank())
-        log_rank0(
-            logger,
-            logging.WARNING,
-            "%s was saved on %d rank(s) and is loaded on %d: each rank's RNG streams are "
-            "derived from the checkpoint's (derive_seed(step, 'checkpoint_io.rng', the saved "
-            "states' digests, rank)), not restored",
-            root,
-            saved_world,
-            world_size(),
-        )
-        return lambda: seed_rng(seed, device=device)
-    state = _saved_rng_state(files)
-    return lambda: restore_rng_state(state)
-
-
-def derived_rng_seed(root: Path, manifest: Mapping[str, Any], new_rank: int) -> int:
-    """The seed of rank ``new_rank``'s streams after a load at another world size.
-
-    ``derive_seed(step, "checkpoint_io.rng", digests, new_rank)`` (rng-fork's derivation):
-    ``step`` is the checkpoint's (0 when none), ``digests`` the digests of every saved rank's
-    RNG file in rank order (the manifest's; format 1: xxh3-128 of the files), so the streams
-    depend on the checkpoint and the rank alone. The CPU generator and this rank's device
-    generator are seeded with it (rng-fork's ``seed_rng``).
-    """
-    files = manifest.get("files") or {}
-    parts = []
-    for saved_rank in range(int(manifest["world_size"])):
-        name = f"{RNG_DIR}/rank{saved_rank}.pt"
-        entry = files.get(name)
-        if entry is not None:
-            parts.append(str(entry.get("xxh3_128") or entry.get("wsum64")))
-        else:
-            file = inside(root, name, source=str(root / "checkpoint.json"))
-            parts.append(file_entry(file)["xxh3_128"])
-    step = manifest.get("step")
-    return derive_seed(
-        step if isinstance(step, int) and step >= 0 else 0,
-        "checkpoint_io.rng",
-        "/".join(parts),
-        new_rank,
-    )
-
-
-def _saved_rng_state(files: CheckpointFiles) -> RngState:
-    name = f"{RNG_DIR}/rank{rank()}.pt"
-    file = files.root / name
-    state: RngState = load_value(files.read(name), f"the RNG state {file}", "cpu")
-    if not isinstance(state, dict) or not isinstance(state.get("cpu"), torch.Tensor):
-        raise CheckpointError(
-            f"{file} holds a {type(state).__name__}, not an RNG state; the checkpoint is "
-            "corrupt. Nothing was loaded"
-        )
-    device = state.get("device")
-    if device is not None:
-        current = _current_index(device["type"])
-        if current is None:
-            logger.warning(
-                "%s holds the RNG state of %s:%d, and this process has no %s device; only the "
-                "CPU stream is restored",
-                file,
-                device["type"],
-                device["index"],
-                device["type"],
-            )
-            state = {**state, "device": None}
-        elif current != device["index"]:  # this rank's device now, whatever index saved it
-            logger.debug(
-                "%s: the %s RNG state saved from index %d goes to this rank's device %d",
-                file,
-                device["type"],
-                device["index"],
-                current,
-            )
-            state = {**state, "device": {**device, "index": current}}
-    return state
 
 
 def _onto(device: torch.device) -> Any:
@@ -343,14 +271,6 @@ def _onto(device: torch.device) -> Any:
     return remap
 
 
-def _current_index(kind: str) -> int | None:
-    """This process's current device index of accelerator type ``kind``, or ``None``."""
-    module = getattr(torch, kind, None)
-    if module is None or not module.is_available() or module.device_count() < 1:
-        return None
-    return int(module.current_device())
-
-
-def _first_line(error: BaseException) -> str:
+def _last_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[-1] if text else type(error).__name__

@@ -10,10 +10,13 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from checkpoint_io import _compat, _state
+from checkpoint_io import _compat
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._files import CheckpointFiles, VerifyingReader, read_checked
-from checkpoint_io._safe import SafeLoadPlanner, unsafe_cause
+from checkpoint_io._format.index import saved_entries
+from checkpoint_io._format.manifest import MODEL
+from checkpoint_io._read.files import CheckpointFiles, read_checked
+from checkpoint_io._read.planner import SafeLoadPlanner, unsafe_cause
+from checkpoint_io._read.storage import VerifyingReader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +45,7 @@ class SavedModel:
             CheckpointError: If it cannot be read safely.
         """
         dtype, shape = self.tensors[name]
-        state = {_state.MODEL: {name: torch.empty(shape, dtype=dtype)}}
+        state = {MODEL: {name: torch.empty(shape, dtype=dtype)}}
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
@@ -55,7 +58,7 @@ class SavedModel:
             raise unsafe_cause(error) or CheckpointError(
                 f"reading {name!r} from {str(self.path)!r} failed ({error})"
             ) from None
-        return state[_state.MODEL][name]
+        return state[MODEL][name]
 
 
 def saved_model(path: str | os.PathLike[str]) -> SavedModel:
@@ -74,7 +77,7 @@ def saved_model(path: str | os.PathLike[str]) -> SavedModel:
     files.check_all()  # digests first: each read below takes only its records
     records = CheckpointFiles(root, manifest, verify=False)
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    for key, storage in _state.saved_entries(metadata, _state.MODEL).items():
+    for key, storage in saved_entries(metadata, MODEL).items():
         if len(key) == 1 and isinstance(storage, TensorStorageMetadata):
             tensors[str(key[0])] = (storage.properties.dtype, tuple(storage.size))
     order = manifest.get("model_keys")  # the model's state-dict order (DCP's index has its own)

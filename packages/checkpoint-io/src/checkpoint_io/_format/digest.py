@@ -2,14 +2,14 @@
 
 No tensor is gathered to check a checkpoint: the manifest records every file's size and
 digest, each rank computes those of the files it wrote (O(model / world)), and a verified
-read (:mod:`checkpoint_io._files`) hashes the very bytes it decodes (:class:`Digest`).
+read (:mod:`checkpoint_io._read.files`) hashes the very bytes it decodes (:class:`Digest`).
 
-The digest is xxHash's XXH3-128 (the ``xxhash`` package), built for speed and for damage, not
-for tampering (a checkpoint from an untrusted source is safe to read for other reasons, see
-:mod:`checkpoint_io._safe`): about 20 GB/s on one core here, where sha256 runs at 1.1 GB/s.
-A writer maps the file (no copy out of the page cache) and hashes it a window at a time. A flipped
-bit, swapped words, a zeroed, stale or truncated page: each changes it (the size is checked
-as well).
+The digest is xxHash's XXH3-128 (the ``xxhash`` package), built for speed and for damage,
+not for tampering (a checkpoint from an untrusted source is safe to read for other reasons:
+:mod:`checkpoint_io._format.metadata`, :mod:`checkpoint_io._format.values`): about 20 GB/s on
+one core here, where sha256 runs at 1.1 GB/s. A writer maps the file (no copy out of the page
+cache) and hashes it a window at a time. A flipped bit, swapped words, a zeroed, stale or
+truncated page: each changes it (the size is checked as well).
 
 Checkpoints of format 2 recorded ``wsum64`` (sums of 64-bit words per 64 KiB block and a
 position-weighted sum of the blocks' sums, modulo 2**64): still verified with it.
@@ -17,32 +17,35 @@ position-weighted sum of the blocks' sums, modulo 2**64): still verified with it
 
 from __future__ import annotations
 
-import concurrent.futures
 import mmap
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import xxhash
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future
 
 from checkpoint_io._errors import CheckpointError, open_regular
-from checkpoint_io._safe import inside
-from dist_core import on_device
+from checkpoint_io._format.metadata import inside
 
 ALGORITHM = "xxh3_128"
 """The digest new checkpoints record (manifest format 3)."""
+
+
 LEGACY = "wsum64"
 """The checksum of format 2, still verified."""
+
+
 _BLOCK = 64 << 10  # wsum64: bytes summed together; the blocks' sums are weighted by position
+
+
 _WINDOW = 256 << 20  # bytes mapped at a time (a multiple of _BLOCK and of the page size)
+
+
 _WORD = np.dtype("<u8")
+
+
 # name (relative to the checkpoint directory, "/"-separated)
 #   -> {"bytes": n, "xxh3_128" (or "wsum64"): hex, "rank": the rank that wrote it}
 FileTable = dict[str, dict[str, Any]]
@@ -127,66 +130,6 @@ def _mapped(file: Path, into: Any) -> int:
             with mmap.mmap(stream.fileno(), length, offset=offset, access=mmap.ACCESS_READ) as view:
                 into.update(view)
     return size
-
-
-def hash_files(root: Path, names: Iterable[str]) -> FileTable:
-    """The entries of ``names`` (paths relative to ``root``)."""
-    return {name: file_entry(root / name) for name in sorted(names)}
-
-
-class HashingWriter(FileSystemWriter):
-    """DCP's file writer that also records the size and checksum of every file this rank wrote.
-
-    The checksums are computed in a thread once DCP has written this rank's files, while DCP
-    gathers the plans' results and writes its metadata (time a rank mostly spends waiting for
-    the others); :attr:`files` waits for them.
-
-    DCP may call :meth:`write_data` from a thread of its own (a background save), where the
-    current CUDA device is 0 whatever the rank: DCP's copying loader takes that device's
-    current stream. The writer enters ``device`` (this rank's) around the write. A state
-    staged on the host (``host_only``) is written without DCP's device loader at all.
-
-    Args:
-        path: The directory written.
-        device: This rank's device (the model's); ``None`` or CPU: nothing to enter.
-        host_only: Every tensor written is already in host memory (a staged state).
-    """
-
-    def __init__(
-        self, path: Path, *, device: torch.device | None = None, host_only: bool = False
-    ) -> None:
-        # per_thread_copy_ahead=0 makes DCP copy with its serial loader, which leaves host
-        # tensors as they are and touches no device stream.
-        super().__init__(str(path), per_thread_copy_ahead=0 if host_only else 10_000_000)
-        self.root = path
-        self.device = device
-        self._files: concurrent.futures.Future[FileTable] | None = None
-
-    @property
-    def files(self) -> FileTable:
-        """The entries of the data files this rank wrote (waits for their checksums).
-
-        Raises:
-            OSError: If a file could not be read back.
-        """
-        return {} if self._files is None else self._files.result()
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's files (DCP), then start summing them while in the page cache."""
-        with on_device(self.device):  # DCP's thread: this rank's device, not device 0
-            written = super().write_data(plan, planner)
-        results = written.wait()
-        names = {
-            str(result.storage_data.relative_path)
-            for result in results
-            if getattr(result.storage_data, "relative_path", None) is not None
-        }
-        self._files = _SUMMING.submit(hash_files, self.root, names)
-        return written
-
-
-# One thread sums the files of the save in progress (one save at a time per process).
-_SUMMING = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-sum")
 
 
 def check_sizes(root: Path, files: Mapping[str, Mapping[str, Any]]) -> None:

@@ -8,18 +8,20 @@ import re
 import shutil
 from pathlib import Path
 
-from checkpoint_io import _state
-from checkpoint_io._digest import check_sizes
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._manifest import read_manifest
-from checkpoint_io._safe import read_metadata
+from checkpoint_io._read.files import read_checked
 
 logger = logging.getLogger(__name__)
 
+
 STEP_PREFIX = "step-"
+
+
 # Only canonical names count: ASCII digits, no leading zero (``step-007`` and ``step-٩٩``
 # are not steps, so they are never chosen, counted or removed).
 _STEP = re.compile(rf"^{STEP_PREFIX}(0|[1-9][0-9]*)$", re.ASCII)
+
+
 _PARTIAL = re.compile(rf"^\.{STEP_PREFIX}\d+\.(partial|old)-[0-9a-f]+$")
 
 
@@ -62,17 +64,12 @@ def incomplete_reason(path: Path) -> str | None:
     """Why the checkpoint at ``path`` is not complete, or ``None`` when it is.
 
     Complete: the manifest and DCP's index are readable (the index without running any code
-    in it) and every data file is at its recorded size (format 1: at least as long as the
-    index says). Nothing is hashed.
+    in it) and checked against itself, and every data file is at its recorded size (format 1:
+    at least as long as the index says): the read path's checks before any data
+    (:func:`read_checked`). Nothing is hashed.
     """
     try:
-        manifest = read_manifest(path)
-        metadata = read_metadata(path)  # DCP's index: refused if it holds anything else
-        files = manifest.get("files")
-        if files:
-            check_sizes(path, files)
-        else:
-            _state.check_files(path, metadata)
+        read_checked(path, verify=False)
     except (OSError, CheckpointError) as error:
         return str(error)
     except (TypeError, AttributeError, KeyError, IndexError, RecursionError) as error:

@@ -23,6 +23,8 @@ from checkpoint_io._errors import CheckpointError
 
 MAX_CHUNKS = 1 << 16
 """Chunks one tensor may have (a world size of 65536 ranks); more is refused."""
+
+
 MAX_COMPARISONS = 1 << 22
 """Pairs of chunks whose rows meet that the overlap check compares, at most, per tensor."""
 
@@ -131,3 +133,37 @@ def _bad(root: Path, fqn: str, fault: str) -> CheckpointError:
         f"{root}: the index is inconsistent for {fqn!r}: {fault}; the checkpoint is corrupt or "
         "crafted (refused, nothing was read)"
     )
+
+
+def saved_entries(metadata: Metadata, top: str) -> dict[tuple[Any, ...], Any]:
+    """``path -> storage metadata`` of the entries under ``top`` (paths without ``top``)."""
+    paths = metadata.planner_data or {}
+    found: dict[tuple[Any, ...], Any] = {}
+    for key, storage in metadata.state_dict_metadata.items():
+        path = paths.get(key, tuple(key.split(".", 1)))
+        if path and path[0] == top:
+            found[tuple(path[1:])] = storage
+    return found
+
+
+def check_files(root: Any, metadata: Metadata) -> None:
+    """Every data file the metadata points at is there and long enough (no read needed).
+
+    Raises:
+        CheckpointError: A data file is missing or shorter than its entries (truncated).
+    """
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        path = getattr(info, "relative_path", None)
+        if path is not None:
+            end = int(info.offset) + int(info.length)
+            needed[path] = max(needed.get(path, 0), end)
+    for name, end in sorted(needed.items()):
+        file = root / name
+        size = file.stat().st_size if file.is_file() else -1
+        if size < end:
+            found = "missing" if size < 0 else f"{size} bytes, its entries need {end}"
+            raise CheckpointError(
+                f"the checkpoint is truncated or corrupt: data file {name} is {found}; "
+                "save it again (or restore it from a copy)"
+            )

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
-from checkpoint_io import _state
 from checkpoint_io._collective import (
     agree,
     gloo_group,
@@ -22,11 +21,14 @@ from checkpoint_io._collective import (
     single_process_quiet,
 )
 from checkpoint_io._compat import CheckpointException, dcp_failure
-from checkpoint_io._digest import HashingWriter
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._inflight import PendingCheckpoint, track
-from checkpoint_io._save import PathLike, begin, collect_state, finish, new_manifest
-from checkpoint_io._staging import stage
+from checkpoint_io._format.manifest import PathLike
+from checkpoint_io._state.model import model_device
+from checkpoint_io._write.hashing import HashingWriter
+from checkpoint_io._write.inflight import PendingCheckpoint, track
+from checkpoint_io._write.publish import begin, finish
+from checkpoint_io._write.save import collect_state, new_manifest
+from checkpoint_io._write.staging import stage
 from dist_core import is_distributed, log_rank0, rank
 from rng_fork import capture_rng_state
 
@@ -82,7 +84,7 @@ def start_async_save(
     *,
     rng: bool,
     overwrite: bool,
-    after_publish: Callable[[], None] | None = None,
+    after_publish: Callable[[], object] | None = None,
 ) -> PendingCheckpoint:
     """:func:`async_save_checkpoint`, plus an action after publishing.
 
@@ -94,12 +96,12 @@ def start_async_save(
     state, parts = collect_state(model, optimizer, stateful)
     manifest = new_manifest(model, optimizer, step, extra, parts, rng)
     group = gloo_group("background")
-    writer = HashingWriter(partial, device=_state.model_device(model), host_only=True)
+    writer = HashingWriter(partial, device=model_device(model), host_only=True)
     staged: dict[str, Any] = {}
     failure: BaseException | None = None
     rng_state = None
     try:
-        rng_state = capture_rng_state(_state.model_device(model)) if rng else None
+        rng_state = capture_rng_state(model_device(model)) if rng else None
         staged = stage(state)  # host copies, off the tensors training will change
     except Exception as error:
         failure = error

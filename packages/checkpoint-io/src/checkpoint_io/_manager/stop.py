@@ -18,17 +18,20 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from checkpoint_io._collective import gloo_group
-from dist_core import is_distributed, rank
+from dist_core import is_distributed, log_rank0, rank
 
 logger = logging.getLogger(__name__)
 
+
 Requeue = bool | Callable[[], object]
+
+
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
 
@@ -93,6 +96,23 @@ class StopSignals:
         flag = torch.tensor([1 if self._event.is_set() else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
+
+    def exit_after_save(self, path: object) -> NoReturn:
+        """Log, requeue (rank 0, :meth:`after_save`) and exit 0: the stop's checkpoint is out.
+
+        Raises:
+            SystemExit: Always, with code 0.
+        """
+        received = self.received
+        log_rank0(
+            logger,
+            logging.WARNING,
+            "%s: saved %s; exiting with code 0",
+            received.name if received is not None else "a stop signal on another rank",
+            path,
+        )
+        self.after_save()
+        raise SystemExit(0)
 
     def after_save(self) -> None:
         """On rank 0, requeue the job (after the checkpoint is published).

@@ -1,0 +1,245 @@
+"""The one read path: every file of a checkpoint opened once and checked from the bytes decoded.
+
+Every reader (``load_checkpoint``, ``consolidate_checkpoint``, ``inspect --fingerprint``,
+:func:`saved_model`, the RNG and stateful files of a load) reads a checkpoint's files through
+:class:`CheckpointFiles`. A file is opened once, as a regular file inside the checkpoint (no
+link, no FIFO); its size is the one the manifest recorded, every file read is one the manifest
+recorded, and with ``verify`` its digest is computed from the very bytes that are then decoded
+(no window between a check and a second read). DCP's data files are read in file order, one
+record at a time (:meth:`CheckpointFiles.read_records`): a rank holds one record in memory, not the
+file, and hashes the bytes between the records it needs. Decoding is capped by the index: a
+record is never read past its recorded length, a value is read ``weights_only`` from an
+uncompressed record (:func:`checkpoint_io._format.values.load_value`), records may not overlap.
+
+A verified read that finds a changed file raises after the file's last record was decoded:
+the values were read into staging (see :mod:`checkpoint_io._read.load`), so nothing was changed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO, NoReturn
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from checkpoint_io._errors import CheckpointError, open_regular
+from checkpoint_io._format.digest import Digest, check_sizes
+from checkpoint_io._format.index import check_files, check_index
+from checkpoint_io._format.manifest import MANIFEST, METADATA_FILE, read_manifest
+from checkpoint_io._format.metadata import inside, read_metadata
+
+_WINDOW = 64 << 20  # bytes read at a time between the records a rank needs (hashed, dropped)
+
+
+class CheckpointFiles:
+    """The files of one checkpoint, as one reader reads them.
+
+    Args:
+        root: The checkpoint directory.
+        manifest: Its manifest (read by :func:`read_manifest`); its file table, when it has
+            one (formats 2 and 3), says which files exist, their sizes and digests.
+        verify: Check each file's digest from the bytes read.
+
+    Raises:
+        CheckpointError: If the manifest's file table is malformed.
+    """
+
+    def __init__(self, root: Path, manifest: Mapping[str, Any], *, verify: bool) -> None:
+        table = manifest.get("files") or {}
+        if not isinstance(table, Mapping) or not all(
+            isinstance(name, str)
+            and isinstance(entry, Mapping)
+            and type(entry.get("bytes")) is int
+            and entry["bytes"] >= 0
+            for name, entry in table.items()
+        ):
+            raise CheckpointError(
+                f"{root / MANIFEST}'s file table is malformed (each entry maps a file name to "
+                "its size in bytes and digest); refused"
+            )
+        self.root = root
+        self.table: Mapping[str, Mapping[str, Any]] = table
+        self.verify = verify
+
+    def read(self, name: str) -> bytes:
+        """The whole file ``name`` (relative to the checkpoint), checked.
+
+        Raises:
+            CheckpointError: Outside the checkpoint, not a regular file, not recorded, missing,
+                of another size, or (``verify``) another digest.
+        """
+        stream, size, digest = _open(self, name)
+        with stream:
+            data = _read_exactly(stream, size, self.root / name)
+        if digest is not None:
+            digest.update(data)
+            _check(self.root, name, digest)
+        return data
+
+    def read_records(
+        self, name: str, spans: list[tuple[int, int]], each: Callable[[int, memoryview], None]
+    ) -> None:
+        """Hand the bytes of each ``(offset, length)`` record of data file ``name`` to ``each``.
+
+        In file order, one record in memory at a time. With ``verify`` every byte of the file
+        is hashed on the way (the gaps too) and the digest is checked after the last record
+        (``each`` decodes into staging); when ``each`` fails, the rest of the file is hashed
+        first, so a changed file is reported as changed, not as whatever its decoding hit.
+
+        Args:
+            name: The data file, relative to the checkpoint.
+            spans: The records; identical ones are the caller's to merge.
+            each: Called with ``(index into spans, the record's bytes)``.
+
+        Raises:
+            CheckpointError: As :meth:`read`; records that overlap or end past the file.
+        """
+        stream, size, digest = _open(self, name)
+        file = self.root / name
+        buffer = _Buffer()  # one allocation, reused: a record at a time
+        with stream:
+            position = 0
+            for index in sorted(range(len(spans)), key=lambda i: spans[i]):
+                offset, length = spans[index]
+                if offset < position or offset + length > size:
+                    raise CheckpointError(
+                        f"{file}: the index's record at bytes {offset}..{offset + length} "
+                        f"overlaps another or ends past the file ({size} bytes); DCP writes "
+                        "neither. Refused as damaged or crafted"
+                    )
+                _skip(stream, position, offset, digest, file, buffer)
+                data = buffer.take(stream, length, file)
+                position = offset + length
+                if digest is not None:
+                    digest.update(data)
+                try:
+                    each(index, data)
+                except Exception:
+                    if digest is not None:  # a changed file says so, whatever broke
+                        _skip(stream, position, size, digest, file, buffer)
+                        _check(self.root, name, digest)
+                    raise
+            if digest is not None:
+                _skip(stream, position, size, digest, file, buffer)
+                _check(self.root, name, digest)
+
+    def check_all(self) -> None:
+        """Check every recorded file's digest (for readers that then read piecemeal).
+
+        Raises:
+            CheckpointError: As :meth:`read`.
+        """
+        for name in sorted(self.table):
+            self.read_records(name, [], lambda index, data: None)
+
+
+def _open(files: CheckpointFiles, name: str) -> tuple[BinaryIO, int, Digest | None]:
+    """``name`` opened (regular, inside, recorded, at its size), its size, its digest."""
+    source = str(files.root / MANIFEST)
+    file = inside(files.root, name, source=source)
+    entry = files.table.get(name)
+    if files.table and entry is None:
+        raise CheckpointError(
+            f"{files.root}: {name!r} is read but the manifest did not record it (a planted "
+            "file is never read); refused as unsafe"
+        )
+    try:
+        stream = open_regular(file)
+    except OSError as error:
+        raise CheckpointError(
+            f"the checkpoint is truncated or corrupt: {name} is missing or unreadable "
+            f"({error}); save it again (or restore it from a copy)"
+        ) from None
+    size = os.fstat(stream.fileno()).st_size
+    if entry is not None and size != entry["bytes"]:
+        stream.close()
+        raise CheckpointError(
+            f"the checkpoint is truncated or corrupt: {name} is {size} bytes, "
+            f"{entry['bytes']} were written; save it again (or restore it from a copy)"
+        )
+    digest = Digest(entry) if entry is not None and files.verify else None
+    return stream, size, digest
+
+
+def _skip(
+    stream: BinaryIO, start: int, end: int, digest: Digest | None, file: Path, buffer: _Buffer
+) -> None:
+    """Move from ``start`` to ``end``: hashed when verifying, else a seek."""
+    if digest is None:
+        stream.seek(end)
+        return
+    for at in range(start, end, _WINDOW):
+        digest.update(buffer.take(stream, min(_WINDOW, end - at), file))
+
+
+class _Buffer:
+    """A growing byte buffer that the records of one file are read into, one at a time."""
+
+    def __init__(self) -> None:
+        self._data = bytearray()
+
+    def take(self, stream: BinaryIO, length: int, file: Path) -> memoryview:
+        """The next ``length`` bytes of ``stream``, in the buffer (valid until the next take).
+
+        Raises:
+            CheckpointError: If the file ends first (it changed while it was read).
+        """
+        if len(self._data) < length:
+            self._data = bytearray(length)
+        view = memoryview(self._data)[:length]
+        done = 0
+        while done < length:
+            got = stream.readinto(view[done:])  # type: ignore[attr-defined]
+            if not got:
+                _short(file, done, length)
+            done += got
+        return view
+
+
+def _check(root: Path, name: str, digest: Digest) -> None:
+    found = digest.found()
+    if found != digest.expected:
+        raise CheckpointError(
+            f"verification failed for {str(root)!r}: {name} has checksum {found}, the "
+            f"checkpoint recorded {digest.expected}; the file was changed or damaged after "
+            "saving. Nothing was loaded"
+        )
+
+
+def _read_exactly(stream: BinaryIO, length: int, file: Path) -> bytes:
+    data = stream.read(length)
+    if len(data) != length:
+        _short(file, len(data), length)
+    return data
+
+
+def _short(file: Path, got: int, length: int) -> NoReturn:
+    raise CheckpointError(
+        f"the checkpoint is truncated or corrupt: {file} ended after {got} of the {length} "
+        "bytes expected (it changed while it was read); read it again"
+    )
+
+
+def read_checked(root: Path, *, verify: bool) -> tuple[dict[str, Any], Metadata, CheckpointFiles]:
+    """The manifest, DCP's index and the files of ``root``, checked before any data is read.
+
+    The manifest and the index are read once each (the index verified from its bytes); the
+    index is checked against itself and the manifest (:func:`check_index`); every data file is
+    present and long enough.
+
+    Raises:
+        FileNotFoundError: If ``root`` does not exist.
+        CheckpointError: Not a checkpoint; a malformed manifest or index; a file missing,
+            truncated or (``verify``) changed; anything refused as unsafe.
+    """
+    manifest = read_manifest(root)
+    files = CheckpointFiles(root, manifest, verify=verify)
+    recorded = METADATA_FILE in files.table
+    metadata = read_metadata(root, files.read(METADATA_FILE) if recorded else None)
+    check_files(root, metadata)
+    check_index(root, metadata, manifest)
+    if files.table:
+        check_sizes(root, files.table)
+    return manifest, metadata, files

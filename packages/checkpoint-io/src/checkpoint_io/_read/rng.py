@@ -1,0 +1,120 @@
+"""The RNG streams after a load: restored at the same world size, derived at another."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from checkpoint_io._errors import CheckpointError
+from checkpoint_io._format.digest import file_entry
+from checkpoint_io._format.manifest import RNG_DIR
+from checkpoint_io._format.metadata import inside
+from checkpoint_io._format.values import load_value
+from checkpoint_io._read.files import CheckpointFiles
+from dist_core import log_rank0, rank, world_size
+from rng_fork import RngState, derive_seed, restore_rng_state, seed_rng
+
+logger = logging.getLogger(__name__)
+
+
+def rng_restore(
+    files: CheckpointFiles, manifest: Mapping[str, Any], device: torch.device
+) -> Callable[[], None] | None:
+    """What sets this rank's RNG after the load (read and checked now, applied last).
+
+    At the world size that saved: rank r's saved state. At another: streams derived from
+    the checkpoint (:func:`derived_rng_seed`), the same however the process was seeded.
+    """
+    if not manifest.get("rng"):
+        return None
+    root = files.root
+    saved_world = int(manifest["world_size"])
+    if saved_world != world_size():
+        seed = derived_rng_seed(root, manifest, rank())
+        log_rank0(
+            logger,
+            logging.WARNING,
+            "%s was saved on %d rank(s) and is loaded on %d: each rank's RNG streams are "
+            "derived from the checkpoint's (derive_seed(step, 'checkpoint_io.rng', the saved "
+            "states' digests, rank)), not restored",
+            root,
+            saved_world,
+            world_size(),
+        )
+        return lambda: seed_rng(seed, device=device)
+    state = _saved_rng_state(files)
+    return lambda: restore_rng_state(state)
+
+
+def derived_rng_seed(root: Path, manifest: Mapping[str, Any], new_rank: int) -> int:
+    """The seed of rank ``new_rank``'s streams after a load at another world size.
+
+    ``derive_seed(step, "checkpoint_io.rng", digests, new_rank)`` (rng-fork's derivation):
+    ``step`` is the checkpoint's (0 when none), ``digests`` the digests of every saved rank's
+    RNG file in rank order (the manifest's; format 1: xxh3-128 of the files), so the streams
+    depend on the checkpoint and the rank alone. The CPU generator and this rank's device
+    generator are seeded with it (rng-fork's ``seed_rng``).
+    """
+    files = manifest.get("files") or {}
+    parts = []
+    for saved_rank in range(int(manifest["world_size"])):
+        name = f"{RNG_DIR}/rank{saved_rank}.pt"
+        entry = files.get(name)
+        if entry is not None:
+            parts.append(str(entry.get("xxh3_128") or entry.get("wsum64")))
+        else:
+            file = inside(root, name, source=str(root / "checkpoint.json"))
+            parts.append(file_entry(file)["xxh3_128"])
+    step = manifest.get("step")
+    return derive_seed(
+        step if isinstance(step, int) and step >= 0 else 0,
+        "checkpoint_io.rng",
+        "/".join(parts),
+        new_rank,
+    )
+
+
+def _saved_rng_state(files: CheckpointFiles) -> RngState:
+    name = f"{RNG_DIR}/rank{rank()}.pt"
+    file = files.root / name
+    state: RngState = load_value(files.read(name), f"the RNG state {file}", "cpu")
+    if not isinstance(state, dict) or not isinstance(state.get("cpu"), torch.Tensor):
+        raise CheckpointError(
+            f"{file} holds a {type(state).__name__}, not an RNG state; the checkpoint is "
+            "corrupt. Nothing was loaded"
+        )
+    device = state.get("device")
+    if device is not None:
+        current = _current_index(device["type"])
+        if current is None:
+            logger.warning(
+                "%s holds the RNG state of %s:%d, and this process has no %s device; only the "
+                "CPU stream is restored",
+                file,
+                device["type"],
+                device["index"],
+                device["type"],
+            )
+            state = {**state, "device": None}
+        elif current != device["index"]:  # this rank's device now, whatever index saved it
+            logger.debug(
+                "%s: the %s RNG state saved from index %d goes to this rank's device %d",
+                file,
+                device["type"],
+                device["index"],
+                current,
+            )
+            state = {**state, "device": {**device, "index": current}}
+    return state
+
+
+def _current_index(kind: str) -> int | None:
+    """This process's current device index of accelerator type ``kind``, or ``None``."""
+    module = getattr(torch, kind, None)
+    if module is None or not module.is_available() or module.device_count() < 1:
+        return None
+    return int(module.current_device())

@@ -1,0 +1,154 @@
+"""The state a checkpoint holds, keyed by the plain model's names, and load templates."""
+
+from __future__ import annotations
+
+import io
+import itertools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from checkpoint_io._collective import from_rank0
+from checkpoint_io._errors import CheckpointError
+from checkpoint_io._format.index import saved_entries
+from checkpoint_io._format.manifest import MODEL
+from dist_core import rank, require_current_device, state_groups, unwrap_model
+from replica_init import state_fingerprint
+from strategy_config import did_you_mean
+
+
+def require_model_device(model: nn.Module, caller: str) -> None:
+    """Refuse a model on an accelerator other than the current one (collectives stage there).
+
+    Raises:
+        ValueError: Naming the device and the ``set_device`` call to make.
+    """
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    if first is not None:
+        require_current_device(first.device, caller=caller, argument="the model's device")
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict under its plain names (no ``module.``/``_orig_mod.``/FSDP prefix).
+
+    Under FSDP2 the values are this rank's ``DTensor`` shards; DCP writes and reshards them.
+    """
+    state: dict[str, torch.Tensor] = get_model_state_dict(model)  # type: ignore[assignment]
+    return state
+
+
+def tied_names(model: nn.Module) -> list[list[str]]:
+    """Groups of the model's state-dict names that share one tensor (a tied embedding)."""
+    return [list(names) for names, _ in state_groups(model) if len(names) > 1]
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> plain name`` (the same objects the optimizer holds, DTensors too)."""
+    return {id(p): name for name, p in unwrap_model(model).named_parameters()}
+
+
+def template(value: Any) -> Any:
+    """A structure like ``value`` to load into: fresh tensors (never the live ones)."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value)
+    if isinstance(value, io.BytesIO):
+        return io.BytesIO()
+    if isinstance(value, Mapping):
+        return {key: template(item) for key, item in value.items()}
+    if isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(template(item) for item in value)
+    return value
+
+
+def check_model_keys(
+    current: Mapping[str, torch.Tensor], metadata: Metadata, *, strict: bool
+) -> list[str]:
+    """Compare the model's keys, shapes and dtypes with the saved ones; the keys to load.
+
+    Raises:
+        CheckpointError: Missing or unexpected keys (with ``strict``), each with the closest
+            name on the other side; a shape or dtype mismatch, naming the key and both sides.
+    """
+    saved = {path[0]: storage for path, storage in saved_entries(metadata, MODEL).items()}
+    missing = sorted(set(current) - set(saved))
+    unexpected = sorted(set(saved) - set(current))
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            listed = ", ".join(f"'{k}'{did_you_mean(k, unexpected)}" for k in missing[:20])
+            parts.append(f"missing from the checkpoint: {listed}")
+        if unexpected:
+            listed = ", ".join(f"'{k}'{did_you_mean(k, missing)}" for k in unexpected[:20])
+            parts.append(f"in the checkpoint but not in the model: {listed}")
+        raise CheckpointError(
+            "the checkpoint's model keys do not match the model's: "
+            + "; ".join(parts)
+            + ". Load into the same model class, or pass strict=False to load the keys they share"
+        )
+    keys = sorted(set(current) & set(saved))
+    for key in keys:
+        storage, tensor = saved[key], current[key]
+        if not isinstance(storage, TensorStorageMetadata):
+            raise CheckpointError(f"'{key}' is saved as an object, but the model holds a tensor")
+        if tuple(storage.size) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"shape mismatch for '{key}': the checkpoint has {tuple(storage.size)}, the model "
+                f"{tuple(tensor.shape)}; build the model with the configuration it was saved with"
+            )
+        if storage.properties.dtype != tensor.dtype:
+            raise CheckpointError(
+                f"dtype mismatch for '{key}': the checkpoint has {storage.properties.dtype}, the "
+                f"model {tensor.dtype}; build the model with the same default dtype"
+            )
+    return keys
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
+    """``state_fingerprint`` of a state without ``DTensor``s, in this process (no collective)."""
+    return state_fingerprint((name, state[name]) for name in sorted(state))
+
+
+def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
+    """``state_fingerprint`` of the full tensors of ``state``, the same on every rank (collective).
+
+    Sharded tensors are gathered one at a time (every rank takes part); rank 0 hashes. Used
+    only to verify checkpoints of format 1, which recorded this value.
+    """
+
+    def full() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in sorted(state):
+            tensor = state[name]
+            yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+    if rank() == 0:
+        value = state_fingerprint(full())
+    else:
+        if any(isinstance(t, DTensor) for t in state.values()):
+            for _ in full():
+                pass
+        value = ""
+    return from_rank0(value)
+
+
+def model_class(model: nn.Module) -> str:
+    """The user's model class name (FSDP2 swaps the class for an ``FSDP<Name>`` subclass)."""
+    inner = unwrap_model(model)
+    cls = next(c for c in type(inner).__mro__ if not issubclass(c, FSDPModule))
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter (this rank's device)."""
+    for param in model.parameters():
+        return local_tensor(param).device
+    return torch.device("cpu")

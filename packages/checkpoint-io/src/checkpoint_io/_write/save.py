@@ -1,0 +1,199 @@
+"""``save_checkpoint``: atomic, collective, portable."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from checkpoint_io._collective import agree, single_process_quiet
+from checkpoint_io._compat import CheckpointException, dcp_failure
+from checkpoint_io._errors import CheckpointError
+from checkpoint_io._format.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    MODEL,
+    OPTIM,
+    STATEFUL,
+    PathLike,
+)
+from checkpoint_io._state.model import (
+    model_class,
+    model_device,
+    model_state,
+    require_model_device,
+    tied_names,
+)
+from checkpoint_io._state.optimizer import optimizer_state
+from checkpoint_io._state.stateful import StatefulParts
+from checkpoint_io._state.stateful import collect as collect_stateful
+from checkpoint_io._write.hashing import HashingWriter
+from checkpoint_io._write.publish import begin, finish
+from dist_core import (
+    log_rank0,
+    rank,
+    strategy_of,
+    unwrap_model,
+    world_size,
+)
+from rng_fork import capture_rng_state
+
+logger = logging.getLogger(__name__)
+
+
+def save_checkpoint(
+    path: PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int | None = None,
+    extra: Mapping[str, Any] | None = None,
+    stateful: Mapping[str, Any] | None = None,
+    rng: bool = True,
+    overwrite: bool = False,
+) -> Path:
+    """Save ``model`` (and the optimizer, other state, every rank's RNG) to a directory.
+
+    Collective: every rank of the default group calls it; without a process group it runs in
+    one process. The directory holds the ``torch.distributed.checkpoint`` files (each rank
+    writes its shards; replicated tensors are written once), ``checkpoint.json`` and, with
+    ``rng``, each rank's RNG state. Keys are the plain model's ``state_dict()`` keys whatever
+    the wrapping (DDP, FSDP2, ``torch.compile``), and the optimizer state is keyed by
+    parameter name, so the checkpoint loads under any strategy and world size.
+
+    Atomic: everything is written to a temporary sibling directory, which is renamed to
+    ``path`` once every rank has finished. If any rank fails, every rank raises, an existing
+    checkpoint at ``path`` is left intact and no partial directory is left behind.
+
+    Args:
+        path: The checkpoint directory to create.
+        model: A plain module, a DDP wrapper (ours or torch's), an FSDP2 model, or any of
+            them under ``torch.compile``.
+        optimizer: Its optimizer, if it is to be resumed too.
+        step: The training step, returned by ``load_checkpoint`` in ``CheckpointInfo.step``.
+        extra: A JSON-serialisable mapping stored in ``checkpoint.json``.
+        stateful: Other objects with ``state_dict()`` / ``load_state_dict()`` (LR scheduler,
+            EMA module, sampler), by name.
+        rng: Save every rank's RNG state (CPU and this rank's device).
+        overwrite: Replace an existing checkpoint at ``path`` (only once the new one is
+            complete).
+
+    Returns:
+        ``path`` as a ``pathlib.Path``.
+
+    Raises:
+        TypeError: If an argument has the wrong type (named in the message).
+        FileExistsError: If ``path`` exists and ``overwrite`` is false.
+        CheckpointError: If writing failed on any rank (the rank and its error are named).
+    """
+    target, partial = begin(path, model, optimizer, step, extra, stateful, overwrite)
+    started = time.perf_counter()
+    try:
+        _write(partial, target, model, optimizer, step, extra, stateful, rng)
+    except BaseException:
+        if rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+    log_rank0(
+        logger,
+        logging.INFO,
+        "saved %s (%s, %d rank(s), step %s) in %.2f s",
+        target,
+        strategy_of(model),
+        world_size(),
+        step,
+        time.perf_counter() - started,
+    )
+    return target
+
+
+def _write(
+    partial: Path,
+    target: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int | None,
+    extra: Mapping[str, Any] | None,
+    stateful: Mapping[str, Any] | None,
+    rng: bool,
+) -> None:
+    state, parts = collect_state(model, optimizer, stateful)
+    manifest = new_manifest(model, optimizer, step, extra, parts, rng)
+    rng_state = capture_rng_state(model_device(model)) if rng else None
+    writer = HashingWriter(partial, device=model_device(model))
+    try:
+        with single_process_quiet():
+            dcp_save(state, storage_writer=writer)
+    except CheckpointException as error:  # a BaseException: make it an Exception
+        raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
+    finish(partial, target, manifest, writer, rng_state, parts=parts)
+
+
+def collect_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    stateful: Mapping[str, Any] | None,
+) -> tuple[dict[str, Any], StatefulParts | None]:
+    """The state DCP writes, keyed by plain names, and the ``stateful=`` objects' parts.
+
+    Collective: a failure raises everywhere, before anything is written.
+
+    Raises:
+        TypeError: A stateful value that could not be read back safely (on the rank that
+            holds it; the others raise ``CheckpointError`` naming that rank).
+    """
+    state: dict[str, Any] = {}
+    parts: StatefulParts | None = None
+    failure: BaseException | None = None
+    try:
+        require_model_device(model, "save_checkpoint")
+        state[MODEL] = model_state(model)
+        if optimizer is not None:
+            state[OPTIM] = optimizer_state(model, optimizer)
+        if stateful:
+            parts = collect_stateful(stateful)
+            if parts.sharded:  # only the DTensor leaves go through DCP
+                state[STATEFUL] = parts.sharded
+    except Exception as error:
+        failure = error
+    everyone = agree(
+        failure, "collecting the state to save", share=None if parts is None else parts.digests
+    )
+    if parts is not None:
+        parts.everyone = everyone
+    return state, parts
+
+
+def new_manifest(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int | None,
+    extra: Mapping[str, Any] | None,
+    parts: StatefulParts | None,
+    rng: bool,
+) -> dict[str, Any]:
+    """``checkpoint.json`` without its file table (``finish`` adds it)."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": world_size(),
+        "strategy": strategy_of(model),
+        "torch_version": torch.__version__,
+        "model_class": model_class(model),
+        "parameters": sum(p.numel() for p in unwrap_model(model).parameters()),
+        "optimizer": optimizer is not None,
+        "stateful": [] if parts is None else sorted(parts.classes),
+        "stateful_state": {} if parts is None else parts.manifest(),
+        "rng": rng,
+        "tied": tied_names(model),
+        "model_keys": list(unwrap_model(model).state_dict(keep_vars=True)),
+        "extra": dict(extra or {}),
+    }
