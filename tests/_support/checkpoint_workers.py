@@ -24,6 +24,7 @@ from checkpoint_io import (
     load_checkpoint,
     save_checkpoint,
 )
+from checkpoint_io._format.metadata import read_metadata
 from dist_harness import rank_device
 
 
@@ -277,7 +278,13 @@ def long_runs(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     if rank == 0:
         data = path / "__1_0.distcp"
         damaged = bytearray(data.read_bytes())
-        damaged[len(damaged) // 2] ^= 0xFF  # same size: only the digest can tell
+        weights = [  # a model record of rank 1's file: one bit in the middle of it
+            (int(i.offset), int(i.length))
+            for key, i in read_metadata(path).storage_data.items()
+            if i.relative_path == data.name and key.fqn.startswith("model.")
+        ]
+        offset, length = max(weights, key=lambda span: span[1])
+        damaged[offset + length // 2] ^= 0xFF  # same size: only the digest can tell
         (root / "damaged").mkdir()
         for item in path.rglob("*"):
             if item.is_file():

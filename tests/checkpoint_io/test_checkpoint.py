@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -276,7 +277,10 @@ class TestOneProcess:
         data.write_bytes(bytes(content))
         target = Small()
         before = {k: v.clone() for k, v in target.state_dict().items()}
-        with pytest.raises(CheckpointError, match="verification failed.*__0_0.distcp has checksum"):
+        with pytest.raises(
+            CheckpointError,
+            match=r"verification failed.*__0_0.distcp \(bytes \d+\.\.\d+\) has checksum",
+        ):
             load_checkpoint(path, target)
         assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
         assert latest_checkpoint(tmp_path) is None  # not a step-<N> directory
@@ -537,11 +541,10 @@ def test_each_rank_hashes_its_own_files_and_a_damaged_shard_is_caught(two_ranks:
         ]
         assert "verification failed" in rank["damaged"], rank["damaged"]
         assert rank["damaged_unchanged"]
-    # rank 1 read __1_0.distcp and found it changed; rank 0 found it too, or learned it
-    assert "__1_0.distcp has checksum" in results[1]["damaged"]
-    assert "__1_0.distcp has checksum" in results[0]["damaged"] or (
-        "rank(s) [1]" in results[0]["damaged"]
-    )
+    # rank 1 read the damaged record of __1_0.distcp and found it changed (its own digest);
+    # rank 0 found it too, or learned it from rank 1
+    assert re.search(r"__1_0\.distcp \(bytes \d+\.\.\d+\) has checksum", results[1]["damaged"])
+    assert "__1_0.distcp (bytes" in results[0]["damaged"] or "rank(s) [1]" in results[0]["damaged"]
 
 
 @pytest.mark.multiprocess

@@ -54,6 +54,9 @@ def _rehash(path: Path, name: str) -> None:
     data = (path / name).read_bytes()
     entry = manifest["files"].setdefault(name, {"rank": 0})
     entry.update({"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()})
+    entry["records"] = [  # each record's digest too
+        [o, n, xxhash.xxh3_128(data[o : o + n]).hexdigest()] for o, n, _ in entry.get("records", [])
+    ]
     (path / "checkpoint.json").write_text(json.dumps(manifest))
 
 

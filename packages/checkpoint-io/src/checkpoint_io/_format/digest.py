@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,8 @@ ALGORITHM = "xxh3_128"
 """The digest new checkpoints record (manifest format 3)."""
 
 
+RECORDS = "records"
+"""A data file's entry: ``[offset, length, digest]`` of each record (xxh3-128)."""
 LEGACY = "wsum64"
 """The checksum of format 2, still verified."""
 
@@ -51,11 +53,51 @@ _WORD = np.dtype("<u8")
 FileTable = dict[str, dict[str, Any]]
 
 
-def file_entry(file: Path) -> dict[str, Any]:
-    """``{"bytes": size, "xxh3_128": digest}`` of one file, mapped a window at a time."""
+def file_entry(file: Path, records: Iterable[tuple[int, int]] = ()) -> dict[str, Any]:
+    """``{"bytes": size, "xxh3_128": digest}`` of one file, and its records' digests.
+
+    Args:
+        file: The file.
+        records: ``(offset, length)`` of the records a DCP data file holds: each gets its own
+            digest under ``"records"`` (``[offset, length, digest]``, by offset), so that a
+            rank reading a few records of a file checks those bytes alone.
+    """
     digest = xxhash.xxh3_128()
     size = _mapped(file, digest)
-    return {"bytes": size, ALGORITHM: digest.hexdigest()}
+    entry: dict[str, Any] = {"bytes": size, ALGORITHM: digest.hexdigest()}
+    spans = sorted(set(records))
+    if spans:
+        entry[RECORDS] = _record_digests(file, spans, size)
+    return entry
+
+
+def record_digest(data: bytes | memoryview) -> str:
+    """The digest of one record's bytes, as :func:`file_entry` records it."""
+    return str(xxhash.xxh3_128(data).hexdigest())
+
+
+def _record_digests(file: Path, spans: list[tuple[int, int]], size: int) -> list[list[Any]]:
+    found: list[list[Any]] = []
+    with open_regular(file) as stream:
+        if size == 0:
+            return [[offset, length, record_digest(b"")] for offset, length in spans if not length]
+        with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            for offset, length in spans:
+                if offset + length <= size:
+                    found.append([offset, length, _span_digest(mapped, offset, length)])
+    return found
+
+
+def _span_digest(mapped: mmap.mmap, offset: int, length: int) -> str:
+    view = memoryview(mapped)
+    try:
+        part = view[offset : offset + length]
+        try:
+            return record_digest(part)
+        finally:
+            part.release()
+    finally:
+        view.release()
 
 
 class _Wsum64:

@@ -84,10 +84,12 @@ def load_checkpoint(
             streams are seeded from the saved states, the step and the new rank
             (:func:`derived_rng_seed`), with a warning: two resumes at the same world size
             continue identically, however the processes were seeded before the load.
-        verify: Check every file a rank reads against the checksum recorded when it was
-            written, computed from the bytes it decodes (each file is read once; a rank that
-            needs part of a file reads the rest to hash it). ``verify=False`` skips the
-            checksums and reads only the records needed; every other check runs either way.
+        verify: Check what each rank reads against the digests recorded when it was
+            written, computed from the very bytes it decodes: each record's digest (a rank
+            reads only the records it needs, as DCP does) and each whole small file's (the
+            index, RNG and stateful files). Checkpoints written before record digests were
+            recorded are checked file by file (a rank reads the rest of a file it needs part
+            of, to hash it). ``verify=False`` skips the digests; every other check runs.
 
     Returns:
         What the checkpoint says about itself.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -16,13 +16,19 @@ from checkpoint_io._format.digest import FileTable, file_entry
 from dist_core import on_device
 
 
-def hash_files(root: Path, names: Iterable[str]) -> FileTable:
-    """The entries of ``names`` (paths relative to ``root``)."""
-    return {name: file_entry(root / name) for name in sorted(names)}
+def hash_files(
+    root: Path, names: Iterable[str], records: Mapping[str, list[tuple[int, int]]] | None = None
+) -> FileTable:
+    """The entries of ``names`` (paths relative to ``root``), with ``records``' digests."""
+    spans = records or {}
+    return {name: file_entry(root / name, spans.get(name, ())) for name in sorted(names)}
 
 
 class HashingWriter(FileSystemWriter):
     """DCP's file writer that also records the size and checksum of every file this rank wrote.
+
+    Each data file's entry also holds the digest of each record in it (``records``): a
+    rank that loads a few records of a file checks them without reading the rest.
 
     The checksums are computed in a thread once DCP has written this rank's files, while DCP
     gathers the plans' results and writes its metadata (time a rank mostly spends waiting for
@@ -63,12 +69,13 @@ class HashingWriter(FileSystemWriter):
         with on_device(self.device):  # DCP's thread: this rank's device, not device 0
             written = super().write_data(plan, planner)
         results = written.wait()
-        names = {
-            str(result.storage_data.relative_path)
-            for result in results
-            if getattr(result.storage_data, "relative_path", None) is not None
-        }
-        self._files = _SUMMING.submit(hash_files, self.root, names)
+        records: dict[str, list[tuple[int, int]]] = {}
+        for result in results:
+            info = result.storage_data
+            if getattr(info, "relative_path", None) is not None:
+                span = (int(info.offset), int(info.length))
+                records.setdefault(str(info.relative_path), []).append(span)
+        self._files = _SUMMING.submit(hash_files, self.root, list(records), records)
         return written
 
 
