@@ -46,6 +46,7 @@ _WINDOW = 256 << 20  # bytes mapped at a time (a multiple of _BLOCK and of the p
 
 
 _WORD = np.dtype("<u8")
+_SHARED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # prefaulted by the kernel
 
 
 # name (relative to the checkpoint directory, "/"-separated)
@@ -56,48 +57,50 @@ FileTable = dict[str, dict[str, Any]]
 def file_entry(file: Path, records: Iterable[tuple[int, int]] = ()) -> dict[str, Any]:
     """``{"bytes": size, "xxh3_128": digest}`` of one file, and its records' digests.
 
+    One pass: the file is mapped a window at a time (prefaulted, no copy out of the page
+    cache), each window stretched to the end of the last record that starts in it, so that
+    the file's digest and every record's come from the same mapping.
+
     Args:
         file: The file.
         records: ``(offset, length)`` of the records a DCP data file holds: each gets its own
             digest under ``"records"`` (``[offset, length, digest]``, by offset), so that a
             rank reading a few records of a file checks those bytes alone.
     """
-    digest = xxhash.xxh3_128()
-    size = _mapped(file, digest)
-    entry: dict[str, Any] = {"bytes": size, ALGORITHM: digest.hexdigest()}
     spans = sorted(set(records))
+    digest = xxhash.xxh3_128()
+    found: list[list[Any]] = []
+    with open_regular(file) as stream:
+        size = os.fstat(stream.fileno()).st_size
+        start = first = 0
+        while start < size:
+            end, last = min(size, start + _WINDOW), first
+            while last < len(spans) and spans[last][0] < end:
+                end = max(end, min(size, sum(spans[last])))
+                last += 1
+            base = start - start % mmap.ALLOCATIONGRANULARITY
+            with (
+                mmap.mmap(
+                    stream.fileno(), end - base, flags=_SHARED, prot=mmap.PROT_READ, offset=base
+                ) as mapped,
+                memoryview(mapped) as view,
+            ):
+                with view[start - base : end - base] as part:
+                    digest.update(part)
+                for offset, length in spans[first:last]:
+                    if offset + length <= size:
+                        with view[offset - base : offset + length - base] as part:
+                            found.append([offset, length, record_digest(part)])
+            start, first = end, last
+    entry: dict[str, Any] = {"bytes": size, ALGORITHM: digest.hexdigest()}
     if spans:
-        entry[RECORDS] = _record_digests(file, spans, size)
+        entry[RECORDS] = found
     return entry
 
 
 def record_digest(data: bytes | memoryview) -> str:
     """The digest of one record's bytes, as :func:`file_entry` records it."""
     return str(xxhash.xxh3_128(data).hexdigest())
-
-
-def _record_digests(file: Path, spans: list[tuple[int, int]], size: int) -> list[list[Any]]:
-    found: list[list[Any]] = []
-    with open_regular(file) as stream:
-        if size == 0:
-            return [[offset, length, record_digest(b"")] for offset, length in spans if not length]
-        with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            for offset, length in spans:
-                if offset + length <= size:
-                    found.append([offset, length, _span_digest(mapped, offset, length)])
-    return found
-
-
-def _span_digest(mapped: mmap.mmap, offset: int, length: int) -> str:
-    view = memoryview(mapped)
-    try:
-        part = view[offset : offset + length]
-        try:
-            return record_digest(part)
-        finally:
-            part.release()
-    finally:
-        view.release()
 
 
 class _Wsum64:
@@ -161,17 +164,6 @@ class Digest:
     def found(self) -> str:
         """The digest of the bytes fed so far."""
         return str(self._hasher.hexdigest())
-
-
-def _mapped(file: Path, into: Any) -> int:
-    """Feed the whole of ``file`` to ``into.update``, mapped a window at a time; its size."""
-    with open_regular(file) as stream:
-        size = os.fstat(stream.fileno()).st_size
-        for offset in range(0, size, _WINDOW):
-            length = min(_WINDOW, size - offset)
-            with mmap.mmap(stream.fileno(), length, offset=offset, access=mmap.ACCESS_READ) as view:
-                into.update(view)
-    return size
 
 
 def check_sizes(root: Path, files: Mapping[str, Mapping[str, Any]]) -> None:
