@@ -774,5 +774,7 @@ def test_a_tensor_record_is_a_view_checked_against_its_members() -> None:
         load_value(deflated, "the deflated record")
     builds = record({"blob": bytearray(4)})
     assert tensor_record(memoryview(bytearray(builds)), "the crafted record") is None
+    sparse = record(torch.eye(3).to_sparse())  # torch.load's own path, with its checks
+    assert tensor_record(memoryview(bytearray(sparse)), "the sparse record") is None
     with pytest.raises(CheckpointError, match="holds a bytearray"):
         load_value(builds, "the crafted record")

@@ -40,7 +40,9 @@ _ADMITTED: dict[str, frozenset[str]] = {
 }
 
 
-_DTYPES = frozenset(name for name, value in vars(torch).items() if isinstance(value, torch.dtype))
+DTYPE_NAMES = frozenset(
+    name for name, value in vars(torch).items() if isinstance(value, torch.dtype)
+)
 """torch's dtypes by name (read from the module's namespace: ``getattr`` would import)."""
 
 
@@ -101,7 +103,7 @@ class _MetadataUnpickler(pickle._Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _ADMITTED.get(module, ()):
             return super().find_class(module, name)
-        if module == "torch" and name in _DTYPES:
+        if module == "torch" and name in DTYPE_NAMES:
             return vars(torch)[name]  # a tensor's dtype (torch.float32, ...)
         raise self._refuse(f"{module}.{name}")
 

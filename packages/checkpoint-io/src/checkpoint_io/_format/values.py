@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from checkpoint_io._errors import CheckpointError, first_line
+from checkpoint_io._format.metadata import DTYPE_NAMES
 
 
 def load_value(
@@ -154,12 +155,14 @@ def tensor_record(data: memoryview, what: str) -> torch.Tensor | None:
     """The tensor of one DCP tensor record, a view of ``data`` (no copy), or ``None``.
 
     The fast path of a load: the record's zip directory is read from its central directory
-    (every member stored, inside the record), its pickle is checked like any value's and
-    unpickled by torch's own ``weights_only`` unpickler, and the storage it names is a view
+    (every member stored, inside the record), its pickle must name only the globals of a
+    dense tensor record (:data:`_TENSOR_GLOBALS`, storage classes, dtypes) and is unpickled
+    by torch's own ``weights_only`` unpickler, and the storage it names is a view
     of the member's bytes in ``data``, checked to be exactly the size the pickle declares.
     The caller copies out of the view before ``data`` is reused. ``None`` sends anything
-    unusual (zip64, another byte order, a refused global) to :func:`load_value`, which reads
-    it or refuses it with the reason.
+    unusual (zip64, another byte order, a sparse, quantized or device-bound rebuild) to
+    :func:`load_value` (``torch.load``'s own path and its checks), which reads it or refuses
+    it with the reason.
 
     Raises:
         CheckpointError: Naming ``what`` when the pickle is refused by torch's unpickler or
@@ -177,7 +180,7 @@ def tensor_record(data: memoryview, what: str) -> torch.Tensor | None:
         return None
     start, size = members[pickles[0]]
     pickled = bytes(data[start : start + size])
-    if _refused_global(pickled) is not None:
+    if not _plain_tensor_pickle(pickled):
         return None
     storages: dict[str, Any] = {}
 
@@ -197,6 +200,8 @@ def tensor_record(data: memoryview, what: str) -> torch.Tensor | None:
                 if nbytes
                 else torch.empty(0, dtype=torch.uint8)
             )
+            if raw.data_ptr() % dtype.itemsize:  # a writer without torch's 64-byte alignment
+                raw = raw.clone()
             storages[key] = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
                 wrap_storage=raw.untyped_storage(), dtype=dtype, _internal=True
             )
@@ -212,14 +217,55 @@ def tensor_record(data: memoryview, what: str) -> torch.Tensor | None:
         raise CheckpointError(
             f"{what} was refused or is corrupt ({first_line(error)}). Nothing was loaded"
         ) from None
-    if not isinstance(value, torch.Tensor):
-        raise CheckpointError(f"{what} is not a tensor record; the checkpoint is corrupt")
+    if type(value) is not torch.Tensor or value.layout != torch.strided or value.is_sparse:
+        raise CheckpointError(f"{what} is not a dense tensor record; the checkpoint is corrupt")
     return value
+
+
+_TENSOR_GLOBALS = frozenset(
+    {
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_tensor_v3"),
+        ("collections", "OrderedDict"),
+        ("torch.storage", "UntypedStorage"),
+    }
+)
+"""The globals of a dense tensor record as DCP writes it (besides torch's storage classes and
+dtypes): anything else (a sparse, quantized or device-bound rebuild) takes the slow path,
+``torch.load``'s own, with its checks."""
+
+
+def _plain_tensor_pickle(pickled: bytes) -> bool:
+    """Whether a record's pickle names only the globals of a dense CPU tensor record."""
+    strings: list[str] = []
+    try:
+        for opcode, arg, _ in pickletools.genops(pickled):
+            if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+                strings.append(str(arg))
+            elif opcode.name in ("GLOBAL", "STACK_GLOBAL", "INST", "OBJ"):
+                if opcode.name == "GLOBAL":
+                    module, _, name = str(arg).partition(" ")
+                elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    module, name = strings[-2], strings[-1]
+                else:
+                    return False
+                if not _tensor_global(module, name):
+                    return False
+    except Exception:  # malformed: the slow path refuses it with torch's reason
+        return False
+    return True
+
+
+def _tensor_global(module: str, name: str) -> bool:
+    if (module, name) in _TENSOR_GLOBALS:
+        return True
+    return module == "torch" and (name.endswith("Storage") or name in DTYPE_NAMES)
 
 
 _EOCD = struct.Struct("<4s4H2LH")  # end of central directory: 22 bytes
 _ENTRY = struct.Struct("<4s6H3L5H2L")  # central directory entry: 46 bytes, then the name
 _LOCAL = struct.Struct("<4s5H3L2H")  # local header: 30 bytes, then name and extra
+_ZIP64 = 0xFFFFFFFF  # a field saturated: its value is in a zip64 record (count: 0xFFFF)
 
 
 def _stored_members(data: memoryview) -> dict[str, tuple[int, int]] | None:
@@ -232,7 +278,9 @@ def _stored_members(data: memoryview) -> dict[str, tuple[int, int]] | None:
         return None
     end = len(data) - _EOCD.size
     sig, _, _, _, count, directory_size, directory, _ = _EOCD.unpack(data[end:])
-    if sig != b"PK\x05\x06" or directory + directory_size > end or count == 0xFFFF:
+    if sig != b"PK\x05\x06" or count == 0xFFFF or _ZIP64 in (directory_size, directory):
+        return None  # zip64 (a record of 4 GiB or more) and anything else: the slow path
+    if directory + directory_size > end:
         return None
     members: dict[str, tuple[int, int]] = {}
     at = directory
@@ -249,6 +297,8 @@ def _stored_members(data: memoryview) -> dict[str, tuple[int, int]] | None:
             entry[12],
         )
         local = entry[16]
+        if entry[0] != b"PK\x01\x02" or _ZIP64 in (packed, size, local):
+            return None
         name = bytes(data[at + _ENTRY.size : at + _ENTRY.size + name_len]).decode(
             "utf-8", "replace"
         )
