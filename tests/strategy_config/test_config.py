@@ -114,7 +114,9 @@ def test_option_views() -> None:
         "reshard_after_forward": True,
         "param_dtype": "bf16",
         "reduce_dtype": None,
+        "offload": False,
     }
+    assert DistributedConfig(offload="cpu").fsdp_options()["offload"] is True
 
 
 @dataclasses.dataclass
@@ -237,3 +239,42 @@ def test_a_local_world_size_that_is_not_a_number_is_named(monkeypatch: pytest.Mo
     assert str(raised.value) == (
         "LOCAL_WORLD_SIZE must be an integer (the ranks per node), got 'four'"
     )
+
+
+def test_the_recipe_keys_are_validated_and_normalised() -> None:
+    """Issue 47 (1): activation_checkpointing, compile and offload, torch-free."""
+    config = DistributedConfig.from_mapping(
+        {
+            "strategy": "hsdp",
+            "activation_checkpointing": "Selective",
+            "compile": True,
+            "offload": "CPU",
+        }
+    )
+    assert (config.activation_checkpointing, config.compile, config.offload) == (
+        "selective",
+        True,
+        "cpu",
+    )
+    assert DistributedConfig().activation_checkpointing == "none"
+    assert DistributedConfig().offload == "none" and DistributedConfig().compile is False
+    assert DistributedConfig(activation_checkpointing=True).activation_checkpointing == "full"
+    assert DistributedConfig.from_mapping(config.to_dict()) == config
+    with pytest.raises(
+        ValueError,
+        match=r"activation_checkpointing must be one of \{none, "
+        r"full, selective\}, got 'selectiv'.*did you mean 'selective'",
+    ):
+        DistributedConfig(activation_checkpointing="selectiv")
+    with pytest.raises(ValueError, match=r"offload must be one of \{none, cpu\}, got 'gpu'"):
+        DistributedConfig(offload="gpu")
+    with pytest.raises(TypeError, match=r"training.distributed.compile must be bool"):
+        DistributedConfig(compile="yes")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError,
+        match=r"offload='cpu' needs a sharded strategy .*set "
+        r"strategy: fsdp, or offload: none",
+    ):
+        DistributedConfig(strategy="ddp", offload="cpu")
+    with pytest.raises(ValueError, match=r"unknown key\(s\).*'ofload'.*did you mean 'offload'"):
+        DistributedConfig.from_mapping({"ofload": "cpu"})

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from distributed_strategy import CHECKPOINT_MODES, selective_kept
 from strategy_bench.workload._knobs import (
     ACCUM_SYNC,
-    CHECKPOINT_MODES,
     checkpoint_mode,
     compile_unavailable,
     compute_dtype,
@@ -14,7 +14,6 @@ from strategy_bench.workload._knobs import (
     needs_compiler,
     prepare_blocks,
     recipe_for,
-    selective_kept,
     step_knobs,
     syncs_every_micro_step,
     wrap_knobs,

@@ -8,16 +8,13 @@ what the step knobs do to the model before the wrap.
 
 from __future__ import annotations
 
-import contextlib
-import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from distributed_strategy import select_shard_targets
+from distributed_strategy import CHECKPOINT_MODES, apply_block_recipe, select_shard_targets
 from strategy_bench._errors import BenchUsageError, error_summary
 
 STEP_KNOBS = ("grad_accum", "grad_accum_sync", "activation_checkpointing", "compile")
@@ -32,13 +29,6 @@ def wrap_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
 def step_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
     """The knobs of the training step around the wrapped model."""
     return {key: value for key, value in knobs.items() if key in STEP_KNOBS}
-
-
-CHECKPOINT_MODES = ("none", "full", "selective")
-"""``activation_checkpointing``'s values: none; ``full`` (each block recomputed whole in
-backward; ``True`` in older results); ``selective`` (op level, after torchtitan's policy: the
-outputs of every matmul and of attention are kept, everything else in the block is
-recomputed; torchtitan also recomputes every second ``mm``)."""
 
 
 def checkpoint_mode(knobs: Mapping[str, Any]) -> str | None:
@@ -159,14 +149,9 @@ def needs_compiler(knobs: Mapping[str, Any]) -> bool:
 def prepare_blocks(model: nn.Module, knobs: Mapping[str, Any]) -> list[nn.Module]:
     """Apply the block knobs before the wrap, to each block (FSDP's default shard units).
 
-    ``activation_checkpointing``: each block's forward runs under non-reentrant
-    ``torch.utils.checkpoint``. ``full``: its activations are recomputed in backward; what it
-    keeps is its input. ``selective``: the outputs of its matmuls and attention are kept and
-    the rest (norms, activations, elementwise ops) recomputed, torch's selective checkpoint
-    contexts with :func:`_selective_policy`. ``compile``: each block is compiled in place
-    (``nn.Module.compile``), so the wrapper's hooks stay outside the compiled regions. Both
-    go on the same modules that FSDP shards by default, so a checkpointed or compiled region
-    never spans two units.
+    ``activation_checkpointing`` and ``compile`` go through distributed-strategy's recipe
+    (``apply_block_recipe``: checkpointing, then compile, per block), what ``prepare_model``
+    applies for the same keys of ``training.distributed``.
 
     Returns:
         The blocks changed (empty when no block knob is set).
@@ -185,96 +170,8 @@ def prepare_blocks(model: nn.Module, knobs: Mapping[str, Any]) -> list[nn.Module
             "has no repeated blocks (no _no_split_modules, no ModuleList / Sequential of one "
             "block class)"
         )
-    for block in blocks:
-        if mode is not None:
-            # An instance attribute bound to the block: a deepcopy of the model rebinds it
-            # to the copy's block.
-            forward = _checkpointed_forward if mode == "full" else _selective_forward
-            block.forward = types.MethodType(forward, block)
-        if backend is not None:
-            block.compile(backend=backend)
+    apply_block_recipe(blocks, checkpointing=mode or "none", compile=backend or False)
     return blocks
-
-
-def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    forward = type(self).forward
-    return checkpoint(forward, self, *args, use_reentrant=False, **kwargs)
-
-
-def _selective_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    forward = type(self).forward
-    return checkpoint(
-        forward, self, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs
-    )
-
-
-_COLLECTORS: list[list[Mapping[Any, Any]]] = []
-
-
-@contextlib.contextmanager
-def selective_kept() -> Iterator[list[torch.Tensor]]:
-    """The tensors selective checkpointing keeps for backward, of the forwards run while active.
-
-    They live in stores of torch's selective checkpoint contexts, not among autograd's saved
-    tensors (the activation count reads them, see
-    ``strategy_bench.measure._accounting.saved_activation_bytes``). The yielded list is
-    filled when the block exits.
-    """
-    found: list[Mapping[Any, Any]] = []
-    kept: list[torch.Tensor] = []
-    _COLLECTORS.append(found)
-    try:
-        yield kept
-    finally:
-        _COLLECTORS.remove(found)
-        for store in found:
-            kept.extend(_tensors(list(store.values())))
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a selective-checkpoint store: per op, per call, the kept outputs.
-
-    Each kept output is wrapped (``_VersionWrapper(val=...)`` in torch 2.11-2.13) and the ops
-    that are recomputed hold placeholders; both are walked without naming torch's classes.
-    """
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-    elif isinstance(value, list | tuple):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(getattr(value, "val", None), torch.Tensor | tuple | list):
-        yield from _tensors(value.val)
-
-
-def _selective_contexts() -> tuple[Any, Any]:
-    """Torch's selective checkpoint contexts: keep :data:`_SAVED`'s outputs, recompute the rest."""
-    ops = sorted(_SAVED, key=str)
-    caching, cached = create_selective_checkpoint_contexts(ops)  # type: ignore[no-untyped-call]
-    for found in _COLLECTORS:
-        found.append(caching.storage)
-    return caching, cached
-
-
-def _saved_ops() -> frozenset[Any]:
-    """The ops whose outputs selective checkpointing keeps: matmuls and attention kernels."""
-    aten = torch.ops.aten
-    names = (
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    )
-    return frozenset(getattr(aten, name).default for name in names if hasattr(aten, name))
-
-
-_SAVED = _saved_ops()
 
 
 def compile_unavailable(device: str) -> str | None:

@@ -64,11 +64,19 @@ from dist_core import (
     unwrap_model,
     world_size,
 )
-from distributed_strategy._prepare import TrainablePolicy, prepare_model, resolve_config
+from distributed_strategy._prepare import prepare_model, resolve_config
+from distributed_strategy._recipe import (
+    KEPT_OPS,
+    apply_block_recipe,
+    recipe_blocks,
+    selective_kept,
+)
+from distributed_strategy._trainable import TrainablePolicy
 from fsdp_wrap import (
     ShardPolicy,
     hsdp_mesh,
     mixed_precision_policy,
+    offload_policy,
     select_shard_targets,
     torch_dtype,
     wrap_module_fsdp,
@@ -108,23 +116,30 @@ from rng_fork import (
 from sample_order import SampleOrder
 from strategy_config import (
     BUILD_SOURCES,
+    CHECKPOINT_MODES,
     DEFAULT_DISTRIBUTED_STRATEGY,
     DTYPE_NAMES,
+    OFFLOAD_MODES,
     SUPPORTED_DISTRIBUTED_STRATEGIES,
     DistributedConfig,
     did_you_mean,
     is_ddp_strategy,
     load_distributed_config,
+    normalize_checkpointing,
     normalize_distributed_strategy,
     normalize_dtype_name,
+    normalize_offload,
 )
 
 __all__ = [
     "BROADCAST_BUCKET_BYTES",
     "BUILD_SOURCES",
+    "CHECKPOINT_MODES",
     "DEFAULT_DISTRIBUTED_STRATEGY",
     "DEFAULT_TIMEOUT",
     "DTYPE_NAMES",
+    "KEPT_OPS",
+    "OFFLOAD_MODES",
     "SEED_MAX",
     "SEED_MIN",
     "STREAM_BUCKET_BYTES",
@@ -152,6 +167,7 @@ __all__ = [
     "TrainablePolicy",
     "accelerator_type",
     "agree",
+    "apply_block_recipe",
     "assert_replicas_identical",
     "async_save_checkpoint",
     "build_replicated_model",
@@ -196,13 +212,17 @@ __all__ = [
     "model_fingerprint",
     "names_nccl",
     "no_sync",
+    "normalize_checkpointing",
     "normalize_distributed_strategy",
     "normalize_dtype_name",
+    "normalize_offload",
+    "offload_policy",
     "on_device",
     "open_regular",
     "prepare_model",
     "rank",
     "read_regular",
+    "recipe_blocks",
     "replica_drift",
     "require_current_device",
     "require_device_index",
@@ -215,6 +235,7 @@ __all__ = [
     "saved_model",
     "seed_rng",
     "select_shard_targets",
+    "selective_kept",
     "slurm_port",
     "state_fingerprint",
     "state_groups",

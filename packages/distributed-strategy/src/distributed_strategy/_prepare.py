@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -14,8 +13,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_wrap import wrap_module_ddp
-from dist_core import DeviceLike, MemoryPeak, log_rank0, require_process_group, resolve_device
+from dist_core import DeviceLike, log_rank0, require_process_group, resolve_device
 from distributed_strategy._pretrained import build_pretrained
+from distributed_strategy._recipe import apply_block_recipe, recipe_blocks
+from distributed_strategy._stages import Stages
+from distributed_strategy._trainable import TrainablePolicy, apply_trainable
 from fsdp_wrap import ShardPolicy, hsdp_mesh, wrap_module_fsdp
 from replica_init import (
     assert_replicas_identical,
@@ -27,7 +29,6 @@ from strategy_config import DistributedConfig
 logger = logging.getLogger(__name__)
 
 ModelFactory = Callable[..., nn.Module]
-TrainablePolicy = Callable[[nn.Module], nn.Module | None]
 
 
 def resolve_config(config: DistributedConfig | Mapping[str, Any] | str | None) -> DistributedConfig:
@@ -73,10 +74,14 @@ def prepare_model(
 ) -> nn.Module:
     """Build the model on every rank and wrap it for the configured strategy.
 
-    The pipeline: normalise ``config``; build with replica-init (``source`` from the argument,
-    else from ``config.source``); apply ``trainable``; verify; wrap; log one summary line on
-    rank 0 with each stage's time and memory peaks (host RSS growth; on CUDA the device
-    allocator's peak).
+    The stages, each a named step below: plan (normalise ``config``, check the arguments,
+    build HSDP's mesh); build with replica-init (``source`` from the argument, else from
+    ``config.source``) or from ``pretrained``; apply ``trainable``; verify; the recipe per
+    block (``config.activation_checkpointing``, then ``config.compile``: see
+    :func:`apply_block_recipe`; the blocks are the shard policy's units, or the whole model
+    when it has none); wrap (DDP: the model; FSDP/HSDP: each unit, then the root, with
+    ``config.offload``); report one summary line on rank 0 with each stage's time and memory
+    peaks (host RSS growth; on CUDA the device allocator's peak).
 
     - DDP (the seed's path): a full replica on every device (``build_replicated_model``),
       proven identical across ranks, wrapped with ddp-wrap.
@@ -127,6 +132,53 @@ def prepare_model(
         ValueError: If a config value is invalid, with strategy-config's message.
     """
     require_process_group("prepare_model", instead="before preparing the model")
+    plan = _plan(config, source, trainable, forward_methods, device, shard)
+    build = _Build(model_cls, init_params, default_dtype, seed, verify, pretrained)
+    if plan.settings.is_ddp:
+        wrapped, fingerprint = _replicated(plan, build)
+    else:
+        wrapped, fingerprint = _sharded(plan, build)
+    _report(plan, build, fingerprint)
+    return wrapped
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What prepare_model was asked, resolved: the settings, the device, the mesh, the stages."""
+
+    settings: DistributedConfig
+    trainable: TrainablePolicy | None
+    names: tuple[str, ...]
+    target: torch.device
+    shard: ShardPolicy | None
+    stages: Stages
+    mesh: Any = None
+    shard_degree: int | None = None
+    counted: dict[str, int] = dataclasses.field(default_factory=dict)
+    model_name: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Build:
+    """How the model is built: the factory, its arguments, the seed or the pretrained file."""
+
+    model_cls: ModelFactory
+    init_params: Mapping[str, Any] | None
+    default_dtype: torch.dtype
+    seed: int
+    verify: bool
+    pretrained: str | os.PathLike[str] | None
+
+
+def _plan(
+    config: DistributedConfig | Mapping[str, Any] | str | None,
+    source: str | None,
+    trainable: TrainablePolicy | None,
+    forward_methods: Iterable[str],
+    device: DeviceLike,
+    shard: ShardPolicy | None,
+) -> _Plan:
+    """Stage 1: the config normalized, the arguments checked, HSDP's mesh built."""
     settings = resolve_config(config)
     if source is not None:
         settings = DistributedConfig.from_mapping({**settings.to_dict(), "source": source})
@@ -135,168 +187,138 @@ def prepare_model(
             f"trainable must be a callable taking the model, got {type(trainable).__name__} "
             f"({trainable!r})"
         )
-    names = tuple(forward_methods)
     target = resolve_device(device)
-    stages = _Stages(target)
-    counted: dict[str, int] = {}
+    plan = _Plan(settings, trainable, tuple(forward_methods), target, shard, Stages(target))
+    if settings.strategy == "hsdp":
+        replicate, plan.shard_degree = settings.hsdp_mesh_shape(dist.get_world_size())
+        plan.mesh = hsdp_mesh(target, replicate=replicate, shard=plan.shard_degree)
+    return plan
+
+
+def _policy(plan: _Plan) -> Callable[[nn.Module], nn.Module]:
+    """Stage 2's end: the trainer's trainable policy, with the parameters counted."""
 
     def policy(model: nn.Module) -> nn.Module:
-        model = _apply_trainable(model, trainable)
-        counted["total"] = sum(p.numel() for p in model.parameters())
-        counted["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        model = apply_trainable(model, plan.trainable)
+        plan.counted["total"] = sum(p.numel() for p in model.parameters())
+        plan.counted["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return model
 
-    model_name = ""
-    mesh = None
-    shard_degree = None
-    if settings.strategy == "hsdp":
-        replicate, shard_degree = settings.hsdp_mesh_shape(dist.get_world_size())
-        mesh = hsdp_mesh(target, replicate=replicate, shard=shard_degree)
+    return policy
+
+
+def _recipe(plan: _Plan, model: nn.Module) -> nn.Module:
+    """Stage 3: the recipe per block, before the wrap: checkpointing, then compile."""
+    settings = plan.settings
+    if settings.activation_checkpointing != "none" or settings.compile:
+        with plan.stages("recipe"):
+            apply_block_recipe(
+                recipe_blocks(model, plan.shard),
+                checkpointing=settings.activation_checkpointing,
+                compile=settings.compile,
+            )
+    return model
+
+
+def _replicated(plan: _Plan, build: _Build) -> tuple[nn.Module, str | None]:
+    """DDP: a full replica on every device (seeded or loaded), verified, recipe, wrapped."""
+    if build.pretrained is not None:
+        model = _from_file(plan, build, None)
+    else:
+        with plan.stages("build"):
+            model = build_replicated_model(
+                build.model_cls,
+                build.init_params,
+                device=plan.target,
+                default_dtype=build.default_dtype,
+                seed=build.seed,
+                source=plan.settings.source,
+            )
+        with plan.stages("trainable"):
+            model = _policy(plan)(model)
+    fingerprint = None
+    if build.verify:
+        with plan.stages("verify"):
+            fingerprint = assert_replicas_identical(model)
+    plan.model_name = type(model).__name__
+    model = _recipe(plan, model)
+    with plan.stages("wrap"):
+        wrapped = wrap_module_ddp(
+            model, device=plan.target, forward_methods=plan.names, **plan.settings.ddp_options()
+        )
+    return wrapped, fingerprint
+
+
+def _sharded(plan: _Plan, build: _Build) -> tuple[nn.Module, str | None]:
+    """FSDP and HSDP: built on the host (or meta) or loaded, recipe, sharded unit by unit."""
 
     def shard_it(model: nn.Module) -> nn.Module:
-        nonlocal model_name
-        model_name = type(model).__name__  # before FSDP2 swaps the class
+        plan.model_name = type(model).__name__  # before FSDP2 swaps the class
         return wrap_module_fsdp(
-            model,
-            device=target,
-            shard=shard,
-            mesh=mesh,
-            forward_methods=names,
-            **settings.fsdp_options(),
+            _recipe(plan, model),
+            device=plan.target,
+            shard=plan.shard,
+            mesh=plan.mesh,
+            forward_methods=plan.names,
+            **plan.settings.fsdp_options(),
         )
 
-    def from_file(wrap: Callable[[nn.Module], nn.Module] | None) -> nn.Module:
-        assert pretrained is not None
-        return build_pretrained(
-            model_cls,
-            init_params,
-            path=pretrained,
-            device=target,
-            default_dtype=default_dtype,
-            policy=policy,
-            wrap=wrap,
-            stages=stages,
-        )
+    if build.pretrained is not None:  # sharded on meta, then each rank loads its slices
+        return _from_file(plan, build, shard_it), None
+    built = build_sharded_model(
+        build.model_cls,
+        build.init_params,
+        device=plan.target,
+        default_dtype=build.default_dtype,
+        seed=build.seed,
+        shard=shard_it,
+        source=plan.settings.source,
+        trainable=_policy(plan),
+        verify=build.verify,
+        stage=plan.stages,
+        shard_degree=plan.shard_degree,
+    )
+    return built.module, built.fingerprint
 
-    fingerprint: str | None = None
-    wrapped: nn.Module
-    if settings.is_ddp:  # a full replica on every device: seeded (the seed's path) or loaded
-        if pretrained is not None:
-            model = from_file(None)
-        else:
-            with stages("build"):
-                model = build_replicated_model(
-                    model_cls,
-                    init_params,
-                    device=target,
-                    default_dtype=default_dtype,
-                    seed=seed,
-                    source=settings.source,
-                )
-            with stages("trainable"):
-                model = policy(model)
-        if verify:
-            with stages("verify"):
-                fingerprint = assert_replicas_identical(model)
-        model_name = type(model).__name__
-        with stages("wrap"):
-            wrapped = wrap_module_ddp(
-                model, device=target, forward_methods=names, **settings.ddp_options()
-            )
-    elif pretrained is not None:  # sharded on meta, then each rank loads its slices
-        wrapped = from_file(shard_it)
-    else:  # never the whole model on the device: built on the host (or meta), then sharded
-        built = build_sharded_model(
-            model_cls,
-            init_params,
-            device=target,
-            default_dtype=default_dtype,
-            seed=seed,
-            shard=shard_it,
-            source=settings.source,
-            trainable=policy,
-            verify=verify,
-            stage=stages,
-            shard_degree=shard_degree,
-        )
-        wrapped, fingerprint = built.module, built.fingerprint
+
+def _from_file(
+    plan: _Plan, build: _Build, wrap: Callable[[nn.Module], nn.Module] | None
+) -> nn.Module:
+    assert build.pretrained is not None
+    return build_pretrained(
+        build.model_cls,
+        build.init_params,
+        path=build.pretrained,
+        device=plan.target,
+        default_dtype=build.default_dtype,
+        policy=_policy(plan),
+        wrap=wrap,
+        stages=plan.stages,
+    )
+
+
+def _report(plan: _Plan, build: _Build, fingerprint: str | None) -> None:
+    """The last stage: one summary line on rank 0, each stage's time and memory."""
+    settings = plan.settings
+    recipe = [
+        f"checkpointing={settings.activation_checkpointing}",
+        f"compile={settings.compile}",
+        f"offload={settings.offload}",
+    ]
     log_rank0(
         logger,
         logging.INFO,
-        "prepared %s for %s on %d rank(s): %d parameters, %d trainable, source=%s, %s %s; %s",
-        model_name,
+        "prepared %s for %s on %d rank(s): %d parameters, %d trainable, source=%s, %s %s; %s; %s",
+        plan.model_name,
         settings.strategy.upper(),
         dist.get_world_size(),
-        counted["total"],
-        counted["trainable"],
-        "pretrained" if pretrained is not None else settings.source,
+        plan.counted["total"],
+        plan.counted["trainable"],
+        "pretrained" if build.pretrained is not None else settings.source,
         "replicas" if settings.is_ddp else "shards",
         ("identical" if settings.is_ddp else "verified") + f" ({fingerprint[:12]})"
         if fingerprint
         else "not verified",
-        stages.summary(),
+        ", ".join(recipe),
+        plan.stages.summary(),
     )
-    return wrapped
-
-
-def _apply_trainable(model: nn.Module, trainable: TrainablePolicy | None) -> nn.Module:
-    if trainable is None:
-        return model
-    name = getattr(trainable, "__name__", None) or repr(trainable)
-    result = trainable(model)
-    if result is not None and not isinstance(result, nn.Module):
-        raise TypeError(
-            "the trainable policy must change the model in place and return None, or return an "
-            f"nn.Module; {name!r} returned {type(result).__name__}"
-        )
-    if result is not None and result is not model and _is_submodule(model, result):
-        raise TypeError(
-            f"the trainable policy {name!r} returned {type(result).__name__}, a submodule of "
-            f"the built {type(model).__name__}: the whole model would be replaced by that part "
-            "(requires_grad_() returns the module it is called on). Return None (change the "
-            "model in place) or the whole model"
-        )
-    model = model if result is None else result
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(
-            f"the trainable policy {name!r} left no trainable parameter in "
-            f"{type(model).__name__}; make at least one parameter require grad, or do not "
-            "wrap the model"
-        )
-    return model
-
-
-def _is_submodule(model: nn.Module, candidate: nn.Module) -> bool:
-    return any(candidate is sub for sub in model.modules())
-
-
-class _Stages:
-    """Each stage's time and memory peaks (host RSS, device allocator), summed over entries."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self._seconds: dict[str, float] = {}
-        self._host: dict[str, int] = {}
-        self._device_peak: dict[str, int] = {}
-
-    @contextmanager
-    def __call__(self, stage: str) -> Iterator[None]:
-        start = time.perf_counter()
-        peak = MemoryPeak(self._device, interval=0.005)
-        try:
-            with peak:
-                yield
-        finally:
-            self._seconds[stage] = self._seconds.get(stage, 0.0) + time.perf_counter() - start
-            self._host[stage] = max(self._host.get(stage, 0), peak.host_growth)
-            self._device_peak[stage] = max(self._device_peak.get(stage, 0), peak.device_peak)
-
-    def summary(self) -> str:
-        """``build 12.3 ms (host +40.0 MiB), ...``; the device's peak where it keeps one."""
-        parts = []
-        for stage, seconds in self._seconds.items():
-            memory = f"host +{self._host[stage] / 2**20:.1f} MiB"
-            if self._device.type == "cuda":
-                memory += f", device peak {self._device_peak[stage] / 2**20:.1f} MiB"
-            parts.append(f"{stage} {seconds * 1e3:.1f} ms ({memory})")
-        return ", ".join(parts)

@@ -9,7 +9,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 from dist_core import (
     DeviceLike,
@@ -37,6 +42,7 @@ def wrap_module_fsdp(
     reduce_dtype: str | torch.dtype | None = None,
     mesh: DeviceMesh | None = None,
     forward_methods: Iterable[str] = (),
+    offload: bool = False,
 ) -> nn.Module:
     """Shard ``module`` in place with ``fully_shard`` (FSDP2) and return it.
 
@@ -80,6 +86,10 @@ def wrap_module_fsdp(
             directly (e.g. ``"ode_wrapper"``). FSDP2 runs its root hooks only around
             ``forward``; these are registered with ``register_fsdp_forward_method`` so
             they gather the root's parameters too.
+        offload: Keep the sharded parameters, their gradients and the optimizer state in host
+            memory (FSDP2's ``CPUOffloadPolicy``): each unit's shards are copied to the
+            device for its all-gather, gradients come back after the reduce-scatter, and
+            the optimizer steps on the host. Pinned host memory on CUDA (:func:`offload_policy`).
 
     Returns:
         ``module``, sharded.
@@ -96,7 +106,10 @@ def wrap_module_fsdp(
     )
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    if not isinstance(offload, bool):
+        raise TypeError(f"offload must be a bool, got {type(offload).__name__} ({offload!r})")
     policy = mixed_precision_policy(param_dtype, reduce_dtype)
+    host = offload_policy(target, offload)
     names = check_forward_methods(module, forward_methods, wrapper="FSDP")
     mesh = _resolve_mesh(mesh, target)
     targets, rule = select_with_rule(module, shard)
@@ -115,9 +128,14 @@ def wrap_module_fsdp(
             model_name,
         )
     before = parameters_of(module)
-    for sub in targets:
-        fully_shard(sub, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    for unit in (*targets, module):  # children before parents, then the root
+        fully_shard(
+            unit,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=policy,
+            offload_policy=host,
+        )
     held = remember_replaced(before, module)  # an optimizer holding these is refused at its step
     del before
     if held:
@@ -137,7 +155,8 @@ def wrap_module_fsdp(
         logger,
         logging.INFO,
         "sharded %s with %s on %s: %d unit(s) (%s; %s) plus the root, "
-        "reshard_after_forward=%s, param_dtype=%s, reduce_dtype=%s, forward methods %s",
+        "reshard_after_forward=%s, param_dtype=%s, reduce_dtype=%s, offload=%s, forward "
+        "methods %s",
         model_name,
         "HSDP (FSDP2)" if mesh.ndim == 2 else "FSDP2",
         _mesh_text(mesh, target),
@@ -147,9 +166,22 @@ def wrap_module_fsdp(
         reshard_after_forward,
         policy.param_dtype,
         policy.reduce_dtype,
+        type(host).__name__ if offload else "none",
         list(names),
     )
     return module
+
+
+def offload_policy(device: torch.device, offload: bool) -> OffloadPolicy:
+    """FSDP2's offload policy for ``device``: none, or the host with pinned memory on CUDA.
+
+    Pinned memory is what lets the host-to-device copies of the shards overlap compute; it
+    exists only next to an accelerator, so a CPU run offloads to pageable memory (its shards
+    are on the host already: the policy then changes where nothing moves).
+    """
+    if not offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 
 def hsdp_mesh(device: DeviceLike, *, replicate: int, shard: int) -> DeviceMesh:

@@ -94,11 +94,30 @@ def _total_norm(grads: list[torch.Tensor], p: float, foreach: bool | None) -> to
     total = _power(whole, p, foreach, device)
     for (mesh, dims), local in sharded.items():
         part = _power(local, p, foreach, device)
+        reduced = part.to(reduce_device(mesh, part.device))  # a scalar: nothing to speak of
         for dim in dims:
             op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-            dist.all_reduce(part, op=op, group=mesh.get_group(dim))
+            dist.all_reduce(reduced, op=op, group=mesh.get_group(dim))
+        part = reduced.to(device)
         total = torch.maximum(total, part) if inf else total + part
     return total if inf else total.pow(1.0 / p)
+
+
+def reduce_device(mesh: Any, where: torch.device) -> torch.device:
+    """Where the norm of shards held at ``where`` is all-reduced over ``mesh``: its device type.
+
+    FSDP2's CPU offload keeps the shards (and their gradients) in host memory while the mesh,
+    and so its process group, is CUDA's: an NCCL group refuses host tensors (pytorch/pytorch
+    148532). The partial norm is a scalar, so it goes to this rank's device of the mesh's type
+    for the reduction; on a CPU mesh it stays where it is.
+    """
+    kind = str(mesh.device_type)
+    if where.type == kind:
+        return where
+    if kind == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, kind)
+    return torch.device(kind, module.current_device())
 
 
 def _power(

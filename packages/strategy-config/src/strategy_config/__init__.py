@@ -13,6 +13,12 @@ from strategy_config._config import (
     normalize_dtype_name,
 )
 from strategy_config._hints import did_you_mean
+from strategy_config._recipe import (
+    CHECKPOINT_MODES,
+    OFFLOAD_MODES,
+    normalize_checkpointing,
+    normalize_offload,
+)
 from strategy_config._strategy import (
     DEFAULT_DISTRIBUTED_STRATEGY,
     SUPPORTED_DISTRIBUTED_STRATEGIES,
@@ -22,13 +28,17 @@ from strategy_config._strategy import (
 
 __all__ = [
     "BUILD_SOURCES",
+    "CHECKPOINT_MODES",
     "DEFAULT_DISTRIBUTED_STRATEGY",
     "DTYPE_NAMES",
+    "OFFLOAD_MODES",
     "SUPPORTED_DISTRIBUTED_STRATEGIES",
     "DistributedConfig",
     "did_you_mean",
     "is_ddp_strategy",
     "load_distributed_config",
+    "normalize_checkpointing",
     "normalize_distributed_strategy",
     "normalize_dtype_name",
+    "normalize_offload",
 ]

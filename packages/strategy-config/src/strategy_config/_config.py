@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from strategy_config._hints import did_you_mean
+from strategy_config._recipe import normalize_checkpointing, normalize_offload
 from strategy_config._strategy import normalize_distributed_strategy, read_key
 
 SECTION_PATH = "training.distributed"
@@ -83,6 +84,12 @@ class DistributedConfig:
             world size divided by ``shard``.
         shard: HSDP: the ranks each replica is sharded over (the mesh's second dimension,
             inside a node); ``None``: the ranks per node (``LOCAL_WORLD_SIZE``).
+        activation_checkpointing: Per block: ``"none"`` (the default), ``"full"`` (recompute
+            the block in backward) or ``"selective"`` (keep matmul and attention outputs,
+            recompute the rest). Changes no bit of the gradients.
+        compile: Compile each block with ``torch.compile`` (inductor) before the wrap.
+        offload: ``"none"`` (the default) or ``"cpu"``: FSDP2's CPU offload of the sharded
+            parameters, gradients and optimizer state (FSDP and HSDP only).
     """
 
     strategy: str = "fsdp"
@@ -97,6 +104,9 @@ class DistributedConfig:
     reduce_dtype: str | None = None
     replicate: int | None = None
     shard: int | None = None
+    activation_checkpointing: str = "none"
+    compile: bool = False
+    offload: str = "none"
 
     _BOOL_FIELDS: ClassVar[tuple[str, ...]] = (
         "broadcast_buffers",
@@ -104,6 +114,7 @@ class DistributedConfig:
         "gradient_as_bucket_view",
         "static_graph",
         "reshard_after_forward",
+        "compile",
     )
 
     def __post_init__(self) -> None:
@@ -119,6 +130,18 @@ class DistributedConfig:
             set_(self, name, normalize_dtype_name(getattr(self, name), path=_path(name)))
         for name in ("replicate", "shard"):
             _check_degree(name, getattr(self, name), self.strategy)
+        set_(
+            self,
+            "activation_checkpointing",
+            normalize_checkpointing(
+                self.activation_checkpointing, path=_path("activation_checkpointing")
+            ),
+        )
+        set_(
+            self,
+            "offload",
+            normalize_offload(self.offload, path=_path("offload"), strategy=self.strategy),
+        )
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> DistributedConfig:
@@ -214,11 +237,12 @@ class DistributedConfig:
         return replicate, shard
 
     def fsdp_options(self) -> dict[str, Any]:
-        """Keyword arguments for an FSDP wrapper: resharding and mixed-precision dtype names."""
+        """Keyword arguments for an FSDP wrapper: resharding, dtype names, CPU offload."""
         return {
             "reshard_after_forward": self.reshard_after_forward,
             "param_dtype": self.param_dtype,
             "reduce_dtype": self.reduce_dtype,
+            "offload": self.offload == "cpu",
         }
 
 
