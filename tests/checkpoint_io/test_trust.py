@@ -746,7 +746,8 @@ def test_a_tensor_record_is_a_view_checked_against_its_members() -> None:
     import io
     import zipfile
 
-    from checkpoint_io._format.values import load_value, tensor_record
+    from checkpoint_io._format.records import tensor_record
+    from checkpoint_io._format.values import load_value
 
     def record(value: Any) -> bytes:
         buffer = io.BytesIO()

@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.values import load_value, tensor_record
+from checkpoint_io._format.records import tensor_record
+from checkpoint_io._format.values import load_value
 from checkpoint_io._read.files import CheckpointFiles
 
 

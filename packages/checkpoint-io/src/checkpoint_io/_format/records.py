@@ -1,0 +1,182 @@
+"""DCP's tensor records decoded as views of the bytes read: a load's fast path, no copy.
+
+A record is one ``torch.save`` zip. Its central directory is read here (every member stored
+and inside the record); its pickle must name only a dense tensor's globals; torch's own
+``weights_only`` unpickler rebuilds the tensor over a view of the member's bytes. Anything
+else goes to :func:`checkpoint_io._format.values.load_value` (``torch.load``'s path).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+import struct
+from typing import Any
+
+import torch
+
+from checkpoint_io._errors import CheckpointError, first_line
+from checkpoint_io._format.metadata import DTYPE_NAMES
+
+
+def tensor_record(data: memoryview, what: str) -> torch.Tensor | None:
+    """The tensor of one DCP tensor record, a view of ``data`` (no copy), or ``None``.
+
+    The fast path of a load: the record's zip directory is read from its central directory
+    (every member stored, inside the record), its pickle must name only the globals of a
+    dense tensor record (:data:`_TENSOR_GLOBALS`, storage classes, dtypes) and is unpickled
+    by torch's own ``weights_only`` unpickler, and the storage it names is a view
+    of the member's bytes in ``data``, checked to be exactly the size the pickle declares.
+    The caller copies out of the view before ``data`` is reused. ``None`` sends anything
+    unusual (zip64, another byte order, a sparse, quantized or device-bound rebuild) to
+    :func:`load_value` (``torch.load``'s own path and its checks), which reads it or refuses
+    it with the reason.
+
+    Raises:
+        CheckpointError: Naming ``what`` when the pickle is refused by torch's unpickler or
+            a storage does not match its member.
+    """
+    members = _stored_members(data)
+    if members is None:
+        return None
+    pickles = [name for name in members if name.endswith("/data.pkl")]
+    if len(pickles) != 1:
+        return None
+    prefix = pickles[0][: -len("data.pkl")]
+    order = members.get(f"{prefix}byteorder")
+    if order is not None and bytes(data[order[0] : order[0] + order[1]]) != b"little":
+        return None
+    start, size = members[pickles[0]]
+    pickled = bytes(data[start : start + size])
+    if not _plain_tensor_pickle(pickled):
+        return None
+    storages: dict[str, Any] = {}
+
+    def storage(saved_id: Any) -> Any:
+        _, kind, key, _location, numel = saved_id  # the location is ignored: read to the CPU
+        dtype = torch.uint8 if kind is torch.UntypedStorage else kind.dtype
+        if key not in storages:
+            found = members.get(f"{prefix}data/{key}")
+            nbytes = int(numel) * dtype.itemsize
+            if found is None or found[1] != nbytes:
+                raise pickle.UnpicklingError(
+                    f"storage {key!r} needs {nbytes} bytes, its member has "
+                    f"{None if found is None else found[1]}"
+                )
+            raw = (  # frombuffer refuses an empty buffer (an empty FSDP shard)
+                torch.frombuffer(data[found[0] : found[0] + nbytes], dtype=torch.uint8)
+                if nbytes
+                else torch.empty(0, dtype=torch.uint8)
+            )
+            if raw.data_ptr() % dtype.itemsize:  # a writer without torch's 64-byte alignment
+                raw = raw.clone()
+            storages[key] = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+                wrap_storage=raw.untyped_storage(), dtype=dtype, _internal=True
+            )
+        return storages[key]
+
+    try:
+        # torch.load's own weights_only unpickler (what DCP decodes records with), given a
+        # storage loader that views the record instead of copying it.
+        unpickler = torch._weights_only_unpickler.Unpickler(io.BytesIO(pickled), encoding="utf-8")
+        unpickler.persistent_load = storage  # type: ignore[method-assign]
+        value = unpickler.load()  # type: ignore[no-untyped-call]
+    except Exception as error:
+        raise CheckpointError(
+            f"{what} was refused or is corrupt ({first_line(error)}). Nothing was loaded"
+        ) from None
+    if type(value) is not torch.Tensor or value.layout != torch.strided or value.is_sparse:
+        raise CheckpointError(f"{what} is not a dense tensor record; the checkpoint is corrupt")
+    return value
+
+
+_TENSOR_GLOBALS = frozenset(
+    {
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_tensor_v3"),
+        ("collections", "OrderedDict"),
+        ("torch.storage", "UntypedStorage"),
+    }
+)
+"""The globals of a dense tensor record as DCP writes it (besides torch's storage classes and
+dtypes): anything else (a sparse, quantized or device-bound rebuild) takes the slow path,
+``torch.load``'s own, with its checks."""
+
+
+def _plain_tensor_pickle(pickled: bytes) -> bool:
+    """Whether a record's pickle names only the globals of a dense CPU tensor record."""
+    strings: list[str] = []
+    try:
+        for opcode, arg, _ in pickletools.genops(pickled):
+            if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+                strings.append(str(arg))
+            elif opcode.name in ("GLOBAL", "STACK_GLOBAL", "INST", "OBJ"):
+                if opcode.name == "GLOBAL":
+                    module, _, name = str(arg).partition(" ")
+                elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    module, name = strings[-2], strings[-1]
+                else:
+                    return False
+                if not _tensor_global(module, name):
+                    return False
+    except Exception:  # malformed: the slow path refuses it with torch's reason
+        return False
+    return True
+
+
+def _tensor_global(module: str, name: str) -> bool:
+    if (module, name) in _TENSOR_GLOBALS:
+        return True
+    return module == "torch" and (name.endswith("Storage") or name in DTYPE_NAMES)
+
+
+_EOCD = struct.Struct("<4s4H2LH")  # end of central directory: 22 bytes
+_ENTRY = struct.Struct("<4s6H3L5H2L")  # central directory entry: 46 bytes, then the name
+_LOCAL = struct.Struct("<4s5H3L2H")  # local header: 30 bytes, then name and extra
+_ZIP64 = 0xFFFFFFFF  # a field saturated: its value is in a zip64 record (count: 0xFFFF)
+
+
+def _stored_members(data: memoryview) -> dict[str, tuple[int, int]] | None:
+    """Name -> (offset, size) of each member of a zip that stores them all, or ``None``.
+
+    Read from the central directory (torch.save writes no comment); every size and offset
+    must lie inside ``data``. ``None`` for anything else (zip64, a compressed member).
+    """
+    if len(data) < _EOCD.size:
+        return None
+    end = len(data) - _EOCD.size
+    sig, _, _, _, count, directory_size, directory, _ = _EOCD.unpack(data[end:])
+    if sig != b"PK\x05\x06" or count == 0xFFFF or _ZIP64 in (directory_size, directory):
+        return None  # zip64 (a record of 4 GiB or more) and anything else: the slow path
+    if directory + directory_size > end:
+        return None
+    members: dict[str, tuple[int, int]] = {}
+    at = directory
+    for _ in range(count):
+        if at + _ENTRY.size > end:
+            return None
+        entry = _ENTRY.unpack(data[at : at + _ENTRY.size])
+        method, packed, size, name_len, extra_len, comment_len = (
+            entry[4],
+            entry[8],
+            entry[9],
+            entry[10],
+            entry[11],
+            entry[12],
+        )
+        local = entry[16]
+        if entry[0] != b"PK\x01\x02" or _ZIP64 in (packed, size, local):
+            return None
+        name = bytes(data[at + _ENTRY.size : at + _ENTRY.size + name_len]).decode(
+            "utf-8", "replace"
+        )
+        at += _ENTRY.size + name_len + extra_len + comment_len
+        if method != 0 or packed != size or local + _LOCAL.size > directory:
+            return None
+        header = _LOCAL.unpack(data[local : local + _LOCAL.size])
+        begin = local + _LOCAL.size + header[9] + header[10]
+        if header[0] != b"PK\x03\x04" or begin + size > directory:
+            return None
+        members[name] = (begin, size)
+    return members
