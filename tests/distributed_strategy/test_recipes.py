@@ -62,6 +62,10 @@ def test_bad_recipe_values_are_named_and_change_nothing() -> None:
 def test_compile_per_block_matches_eager(caplog: pytest.LogCaptureFixture) -> None:
     """compile: true compiles each block (before the wrap): the same loss and gradients within
     float tolerance, the recipe named in prepare_model's summary line."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
     results = []
     for compiled in (False, True):
         with caplog.at_level(logging.INFO, logger="distributed_strategy"):
@@ -83,7 +87,26 @@ def test_compile_per_block_matches_eager(caplog: pytest.LogCaptureFixture) -> No
         grads = [p.grad.full_tensor() for p in model.parameters()]  # type: ignore[union-attr]
         results.append((loss.detach(), grads))
         assert all(block._compiled_call_impl is not None for block in model.blocks) == compiled
+    assert counters["stats"]["unique_graphs"] >= 1  # the blocks were traced, not just wrapped
     torch.testing.assert_close(results[0][0], results[1][0])
     for eager, compiled_grad in zip(results[0][1], results[1][1], strict=True):
         torch.testing.assert_close(eager, compiled_grad)
     assert "checkpointing=full, compile=True, offload=none" in caplog.text
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compile_traces_blocks_of_torch_nn_classes() -> None:
+    """nn.Module.compile traced nothing for a block whose forward is torch.nn's own (dynamo
+    skips both _call_impl and torch.nn: pytorch/pytorch 150915); the recipe compiles its bound
+    forward instead. Proves: a graph is captured for an nn.Sequential block, with and without
+    checkpointing."""
+    from torch._dynamo.utils import counters
+
+    for checkpointing in ("none", "full"):
+        torch._dynamo.reset()
+        counters.clear()
+        block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+        apply_block_recipe([block], checkpointing=checkpointing, compile="eager")
+        block(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        assert counters["stats"]["unique_graphs"] >= 1, checkpointing
+    torch._dynamo.reset()

@@ -78,7 +78,23 @@ def apply_block_recipe(
             forward = _checkpointed_forward if checkpointing == "full" else _selective_forward
             block.forward = types.MethodType(forward, block)
         if backend is not None:
-            block.compile(backend=backend)
+            _compile(block, backend, checkpointed=checkpointing != "none")
+
+
+def _compile(block: nn.Module, backend: str, *, checkpointed: bool) -> None:
+    """Compile ``block`` in place, so that its forward is traced whatever its class.
+
+    ``nn.Module.compile`` compiles ``_call_impl``, which dynamo skips, and traces from the
+    forward it calls: a forward defined in ``torch.nn`` (``nn.TransformerEncoderLayer``, an
+    ``nn.Sequential`` as the whole model) is in dynamo's skip files too, so such a block
+    compiled nothing (pytorch/pytorch 150915). Its bound forward is compiled instead. A user's
+    block, or a checkpointed one (its forward is this module's wrapper), uses
+    ``nn.Module.compile``, as torchtitan does.
+    """
+    if not checkpointed and type(block).__module__.startswith("torch."):
+        block.forward = torch.compile(block.forward, backend=backend)
+    else:
+        block.compile(backend=backend)
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
