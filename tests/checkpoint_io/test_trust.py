@@ -779,3 +779,18 @@ def test_a_tensor_record_is_a_view_checked_against_its_members() -> None:
     assert tensor_record(memoryview(bytearray(sparse)), "the sparse record") is None
     with pytest.raises(CheckpointError, match="holds a bytearray"):
         load_value(builds, "the crafted record")
+
+
+def test_a_malformed_record_table_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    """A manifest whose per-record digests are not [offset, length, digest] triples is refused
+    by name before anything is read; the model is unchanged."""
+    model, optimizer = trained()
+    path = save_checkpoint(tmp_path / "c", model, optimizer, step=1)
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    manifest["files"]["__0_0.distcp"]["records"] = [[0, -1, "x"]]
+    (path / "checkpoint.json").write_text(json.dumps(manifest))
+    fresh = Small()
+    before = _snapshot(fresh)
+    with pytest.raises(CheckpointError, match="file table is malformed"):
+        load_checkpoint(path, fresh)
+    assert _same(fresh, before)

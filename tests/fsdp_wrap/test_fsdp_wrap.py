@@ -196,6 +196,8 @@ class TestWrap:
             wrap_module_fsdp(model, device="cpu", reshard_after_forward="yes")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="shard names class"):
             wrap_module_fsdp(model, device="cpu", shard=["Nope"])
+        with pytest.raises(TypeError, match=r"offload must be a bool, got str \('cpu'\)"):
+            wrap_module_fsdp(model, device="cpu", offload="cpu")  # type: ignore[arg-type]
         assert not any(isinstance(p, DTensor) for p in model.parameters())
 
     def test_a_model_on_meta_is_sharded_then_materialized(self) -> None:

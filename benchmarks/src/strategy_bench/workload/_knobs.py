@@ -14,7 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from distributed_strategy import CHECKPOINT_MODES, apply_block_recipe, select_shard_targets
+from distributed_strategy import (
+    CHECKPOINT_MODES,
+    apply_block_recipe,
+    normalize_checkpointing,
+    select_shard_targets,
+)
 from strategy_bench._errors import BenchUsageError, error_summary
 
 STEP_KNOBS = ("grad_accum", "grad_accum_sync", "activation_checkpointing", "compile")
@@ -38,15 +43,13 @@ def checkpoint_mode(knobs: Mapping[str, Any]) -> str | None:
         BenchUsageError: For a value that is none of :data:`CHECKPOINT_MODES` (or a bool).
     """
     value = knobs.get("activation_checkpointing")
-    if value is None or value is False or value == "none":
-        return None
-    if value is True or value == "full":
-        return "full"
-    if value == "selective":
-        return "selective"
-    raise BenchUsageError(
-        f"activation_checkpointing must be one of {', '.join(CHECKPOINT_MODES)}, got {value!r}"
-    )
+    try:  # strategy-config owns the values and their spellings
+        mode = normalize_checkpointing(value, path="activation_checkpointing")
+    except (TypeError, ValueError):
+        raise BenchUsageError(
+            f"activation_checkpointing must be one of {', '.join(CHECKPOINT_MODES)}, got {value!r}"
+        ) from None
+    return None if mode == "none" else mode
 
 
 def knob_key(knobs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:

@@ -34,18 +34,7 @@ def normalize_checkpointing(value: object, *, path: str) -> str:
         return "none"
     if value is True:
         return "full"
-    if not isinstance(value, str):
-        raise TypeError(
-            f"{path} must be one of {{{', '.join(CHECKPOINT_MODES)}}}, got "
-            f"{type(value).__name__} ({value!r})"
-        )
-    key = value.strip().lower()
-    if key not in CHECKPOINT_MODES:
-        raise ValueError(
-            f"{path} must be one of {{{', '.join(CHECKPOINT_MODES)}}}, got {value!r}"
-            f"{did_you_mean(key, CHECKPOINT_MODES)}"
-        )
-    return key
+    return _choice(value, CHECKPOINT_MODES, path)
 
 
 def normalize_offload(value: object, *, path: str, strategy: str) -> str:
@@ -63,21 +52,25 @@ def normalize_offload(value: object, *, path: str, strategy: str) -> str:
     """
     if value is None or value is False:
         return "none"
-    if not isinstance(value, str):
-        raise TypeError(
-            f"{path} must be one of {{{', '.join(OFFLOAD_MODES)}}}, got "
-            f"{type(value).__name__} ({value!r})"
-        )
-    key = value.strip().lower()
-    if key not in OFFLOAD_MODES:
-        raise ValueError(
-            f"{path} must be one of {{{', '.join(OFFLOAD_MODES)}}}, got {value!r}"
-            f"{did_you_mean(key, OFFLOAD_MODES)}"
-        )
+    key = _choice(value, OFFLOAD_MODES, path)
     if key != "none" and strategy not in SHARDED_STRATEGIES:
         raise ValueError(
             f"{path}={key!r} needs a sharded strategy (fsdp or hsdp): DDP keeps a whole "
             f"replica on every device and has nothing to offload; set strategy: fsdp, or "
             "offload: none"
+        )
+    return key
+
+
+def _choice(value: object, modes: tuple[str, ...], path: str) -> str:
+    """``value`` as one of ``modes`` (stripped, any case), or the error naming ``path``."""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{path} must be one of {{{', '.join(modes)}}}, got {type(value).__name__} ({value!r})"
+        )
+    key = value.strip().lower()
+    if key not in modes:
+        raise ValueError(
+            f"{path} must be one of {{{', '.join(modes)}}}, got {value!r}{did_you_mean(key, modes)}"
         )
     return key

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import pickletools
 import struct
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 
 from checkpoint_io._errors import CheckpointError, first_line
 from checkpoint_io._format.metadata import DTYPE_NAMES
+from checkpoint_io._format.values import pickle_globals
 
 
 def tensor_record(data: memoryview, what: str) -> torch.Tensor | None:
@@ -106,23 +106,10 @@ dtypes): anything else (a sparse, quantized or device-bound rebuild) takes the s
 
 def _plain_tensor_pickle(pickled: bytes) -> bool:
     """Whether a record's pickle names only the globals of a dense CPU tensor record."""
-    strings: list[str] = []
     try:
-        for opcode, arg, _ in pickletools.genops(pickled):
-            if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
-                strings.append(str(arg))
-            elif opcode.name in ("GLOBAL", "STACK_GLOBAL", "INST", "OBJ"):
-                if opcode.name == "GLOBAL":
-                    module, _, name = str(arg).partition(" ")
-                elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
-                    module, name = strings[-2], strings[-1]
-                else:
-                    return False
-                if not _tensor_global(module, name):
-                    return False
+        return all(g is not None and _tensor_global(*g) for g in pickle_globals(pickled))
     except Exception:  # malformed: the slow path refuses it with torch's reason
         return False
-    return True
 
 
 def _tensor_global(module: str, name: str) -> bool:

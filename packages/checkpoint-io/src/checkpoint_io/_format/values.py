@@ -6,6 +6,7 @@ import io
 import pickle
 import pickletools
 import zipfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -81,20 +82,35 @@ def _unbounded(data: bytes) -> str | None:
 
 def _refused_global(pickled: bytes) -> str | None:
     """The first refused global a pickle names (``GLOBAL`` or ``STACK_GLOBAL``), or ``None``."""
-    strings: list[str] = []
     try:
-        for opcode, arg, _ in pickletools.genops(pickled):
-            if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
-                strings.append(str(arg))
-            elif opcode.name == "GLOBAL":
-                module, _, name = str(arg).partition(" ")
-                if (module, name) in _REFUSED_GLOBALS:
-                    return f"a {name}"
-            elif opcode.name == "STACK_GLOBAL" and tuple(strings[-2:]) in _REFUSED_GLOBALS:
-                return f"a {strings[-1]}"
+        for found in pickle_globals(pickled):
+            if found is not None and found in _REFUSED_GLOBALS:
+                return f"a {found[1]}"
     except Exception:  # malformed: torch's unpickler refuses it with its own reason
         return None
     return None
+
+
+def pickle_globals(pickled: bytes) -> Iterator[tuple[str, str] | None]:
+    """``(module, name)`` of every global a pickle names, in order, without running it.
+
+    ``None`` for a global whose name cannot be read from the stream (``INST``, ``OBJ``, a
+    ``STACK_GLOBAL`` without two strings before it).
+
+    Raises:
+        Exception: Whatever ``pickletools`` raises for a malformed pickle.
+    """
+    strings: list[str] = []
+    for opcode, arg, _ in pickletools.genops(pickled):
+        if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
+            strings.append(str(arg))
+        elif opcode.name == "GLOBAL":
+            module, _, name = str(arg).partition(" ")
+            yield module, name
+        elif opcode.name == "STACK_GLOBAL":
+            yield (strings[-2], strings[-1]) if len(strings) >= 2 else None
+        elif opcode.name in ("INST", "OBJ"):
+            yield None
 
 
 def _check_buffers(value: Any, what: str, depth: int = 0) -> None:
