@@ -6,11 +6,15 @@ measures one side after the other, so slow drift of a shared machine (frequency,
 neighbours) lands on one side; the ratio that is judged against the target therefore comes
 from a second, interleaved measurement: rounds alternate raw and ours (in alternating order),
 and the ratio is that of the two medians. Both ratios are printed and saved to
-``bench-results/microbench-ratios.json``.
+``bench-results/microbench-ratios.json``, with the spread of the interleaved rounds' own
+ratios (their quartiles). Before each timed call the garbage collector runs, outside the
+timing (as ``timeit`` keeps it out): a full collection costs about 100 ms in a process that
+imported torch, and lands on whichever side happens to allocate when it is due.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -26,6 +30,8 @@ _MEDIANS: dict[str, dict[str, float]] = {}
 _CASES: dict[str, dict[str, tuple[Any, Any, int, int]]] = {}
 # group -> {"raw": median s, "ours": median s} of the interleaved measurement.
 _INTERLEAVED: dict[str, dict[str, float]] = {}
+# group -> (first quartile, third quartile) of the interleaved rounds' ratios.
+_SPREAD: dict[str, tuple[float, float]] = {}
 _EXTRA: dict[str, dict[str, Any]] = {}
 TARGETS = {
     "ddp-wrap: attribute read": 1.25,
@@ -86,7 +92,7 @@ class Paired:
         sides = _CASES.setdefault(self.group, {})
         sides[self.side] = (fn, setup, rounds, iterations)
         if len(sides) == 2:
-            _INTERLEAVED[self.group] = _interleave(sides)
+            _record_interleaved(self.group, _interleave(sides), keep_sequential=True)
         return result
 
     def rename(self, group: str) -> None:
@@ -100,10 +106,17 @@ class Paired:
         _EXTRA.setdefault(self.group, {}).update({f"{self.side}_{k}": v for k, v in values.items()})
 
 
-def _record_interleaved(group: str, times: dict[str, list[float]]) -> None:
+def _record_interleaved(
+    group: str, times: dict[str, list[float]], *, keep_sequential: bool = False
+) -> None:
     medians = {side: statistics.median(values) for side, values in times.items()}
-    _MEDIANS[group] = dict(medians)
+    if not keep_sequential:
+        _MEDIANS[group] = dict(medians)
     _INTERLEAVED[group] = dict(medians)
+    ratios = [ours / raw for raw, ours in zip(times["raw"], times["ours"], strict=True)]
+    if len(ratios) >= 2:
+        quartiles = statistics.quantiles(ratios, n=4)
+        _SPREAD[group] = (quartiles[0], quartiles[2])
 
 
 @pytest.fixture
@@ -113,8 +126,8 @@ def record_interleaved() -> Any:
     return _record_interleaved
 
 
-def _interleave(sides: dict[str, tuple[Any, Any, int, int]]) -> dict[str, float]:
-    """Median time per call of each side, measured in alternating rounds."""
+def _interleave(sides: dict[str, tuple[Any, Any, int, int]]) -> dict[str, list[float]]:
+    """Time per call of each side, by round, measured in alternating rounds."""
     times: dict[str, list[float]] = {"raw": [], "ours": []}
     rounds = max(case[2] for case in sides.values())
     for index in range(rounds):
@@ -122,17 +135,23 @@ def _interleave(sides: dict[str, tuple[Any, Any, int, int]]) -> dict[str, float]
         for side in order:
             fn, setup, _, iterations = sides[side]
             args, kwargs = setup() if setup is not None else ((), {})
+            gc.collect()  # outside the timing
             begin = time.perf_counter()
             for _ in range(iterations):
                 fn(*args, **kwargs)
             times[side].append((time.perf_counter() - begin) / iterations)
-    return {side: statistics.median(values) for side, values in times.items()}
+    return times
 
 
 @pytest.fixture(params=["raw", "ours"])
 def paired(request: pytest.FixtureRequest, benchmark: Any) -> Paired:
     """The side (``raw`` first, then ``ours``) of the case named by the test's ``GROUP``."""
     return Paired(benchmark, request.module.GROUPS[request.node.originalname], request.param)
+
+
+def _spread(group: str) -> str:
+    quartiles = _SPREAD.get(group)
+    return "" if quartiles is None else f" rounds {quartiles[0]:.2f}-{quartiles[1]:.2f}"
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -156,6 +175,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             f"  ratio {ratio:5.2f}"
             + ("" if target is None else f" (target <= {target})")
             + verdict
+            + _spread(group)
             + f" [one side after the other: {sequential:4.2f}]"
         )
         extra = _EXTRA.get(group, {})
@@ -170,6 +190,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
                 "ratio": ratio,
                 "sequential_ratio": sequential,
                 "interleaved_s": mixed,
+                "round_ratio_quartiles": _SPREAD.get(group),
                 "target": target,
                 **extra,
             }

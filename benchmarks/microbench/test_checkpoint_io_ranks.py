@@ -1,7 +1,8 @@
 """checkpoint-io on 2 gloo ranks under DDP and FSDP2, beside raw DCP in the same rounds.
 
 A ~50 MB model (12.6 M fp32 parameters) with its AdamW state; each side runs in alternating
-rounds on the same ranks, timed from a barrier to a barrier (the slowest rank's time):
+rounds on the same ranks, timed from a barrier to a barrier (the slowest rank's time), the
+garbage collected before each (outside the timing):
 
 - save: ``save_checkpoint`` vs ``get_state_dict`` + ``dcp.save``;
 - verified load: ``load_checkpoint`` (the default, every file's digest checked) vs
@@ -12,6 +13,7 @@ rounds on the same ranks, timed from a barrier to a barrier (the slowest rank's 
 
 from __future__ import annotations
 
+import gc
 import shutil
 import time
 import warnings
@@ -30,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from checkpoint_io import async_save_checkpoint, load_checkpoint, save_checkpoint
 
-ROUNDS = 6
+ROUNDS = 10
 STRATEGIES = ("ddp", "fsdp")
 
 
@@ -103,6 +105,7 @@ def _rank(rank: int, folder: str) -> dict[str, dict[str, list[float]]]:
             measured: dict[str, list[float]] = {"raw": [], "ours": []}
             for index in range(ROUNDS + 1):  # round 0 warms up
                 for side in ("raw", "ours") if index % 2 == 0 else ("ours", "raw"):
+                    gc.collect()  # outside the timing, as conftest's rounds do
                     dist.barrier()
                     begin = time.perf_counter()
                     result = sides[side]()

@@ -642,7 +642,7 @@ def test_the_writer_writes_on_this_ranks_device(
             return super().resolve_data(write_item)
 
     def save(device: torch.device | None, folder: Path) -> None:
-        writer = HashingWriter(folder, device=device)
+        writer = HashingWriter(folder, dict, lambda tables: None, device=device)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.save({"w": torch.ones(3)}, storage_writer=writer, planner=Recording(), no_dist=True)

@@ -538,6 +538,56 @@ def test_build_on_an_enum_member_or_a_function_is_refused(tmp_path: Path) -> Non
     load_checkpoint(path, Small())
 
 
+def test_build_on_an_index_class_or_a_dtype_is_refused_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    """The C unpickler reads the index, never handed an admitted class, enum or function:
+    BUILD on DCP's MetadataIndex (a frozen dataclass) or on TensorProperties (its own
+    ``__setstate__``) is refused by name; BUILD on a dtype cannot change it."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+
+    from checkpoint_io._format.metadata import read_metadata
+
+    module = b"ctorch.distributed.checkpoint.metadata\n"
+    for name, target in (("index", b"MetadataIndex\n"), ("properties", b"TensorProperties\n")):
+        folder = tmp_path / name
+        folder.mkdir()
+        for state in (b"}\x8c\x03fqnK\x07s", b"N}\x8c\x03fqnK\x07s\x86"):  # dict; (None, slots)
+            (folder / ".metadata").write_bytes(b"\x80\x04" + module + target + state + b"b.")
+            with pytest.raises(CheckpointError, match="a change to the class torch.distributed"):
+                read_metadata(folder)
+    assert "fqn" not in vars(MetadataIndex) and "fqn" not in vars(TensorProperties)
+    folder = tmp_path / "dtype"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"\x80\x04ctorch\nfloat32\nN}\x8c\x01xK\x07s\x86b.")
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        read_metadata(folder)
+    assert not hasattr(torch.float32, "x")
+
+
+def test_the_digests_recorded_as_written_are_those_of_the_files(tmp_path: Path) -> None:
+    """A save hashes each data file from the page cache while it is flushed, its records at
+    the positions DCP asked for: every entry equals one computed from the file on disk; and
+    positions that miss the records (another torch could write otherwise) are read back."""
+    from checkpoint_io._format.digest import file_entry
+    from checkpoint_io._write.hashing import _HashingFileSystem
+
+    model, optimizer = trained()
+    path = save_checkpoint(tmp_path / "c", model, optimizer, step=1)
+    files = json.loads((path / "checkpoint.json").read_text())["files"]
+    data = [name for name in files if name.endswith(".distcp")]
+    assert data
+    for name in data:
+        entry = {k: v for k, v in files[name].items() if k != "rank"}
+        spans = [(offset, length) for offset, length, _ in entry["records"]]
+        assert entry == file_entry(path / name, spans)
+    name = data[0]
+    spans = [(offset, length) for offset, length, _ in files[name]["records"]]
+    system = _HashingFileSystem()
+    system._start(path / name, [(0, 1)])  # positions that are not the records
+    assert system.hashed(path / name, spans).result() == file_entry(path / name, spans)
+
+
 def test_names_reach_the_terminal_escaped_and_buffers_nest_one_level(tmp_path: Path) -> None:
     """Issue 51 (8, 4): a key with terminal control bytes is printed escaped by inspect; a
     byte buffer inside a byte buffer is refused (K buffers D deep made K^D loads)."""

@@ -17,8 +17,12 @@ from toy_models import Block, Regressor, RunnerNet
 @pytest.mark.multiprocess
 def test_checkpointing_and_offload_change_no_bit_of_the_gradients(tmp_path: Path) -> None:
     """Full and selective checkpointing (DDP and FSDP) and CPU offload (FSDP) on 2 gloo ranks:
-    every gradient equals the plain model's bit for bit, on every rank; and checkpointing is
-    really on (each block's norm runs again in backward: 4 runs for 2 blocks, not 2)."""
+    every gradient equals the plain model's bit for bit, on every rank, after one backward and
+    after two micro-batches accumulated with grad-sync's no_sync, and so does grad-sync's
+    global clip norm; checkpoint-io's checkpoint of each loads into a fresh model with the
+    same recipe and into a plain one, equal to the saved weights (the recipe changes no key);
+    prepare_model's replica check ran for each; and checkpointing is really on (each block's
+    norm runs again in backward: 4 runs for 2 blocks, not 2)."""
     import recipe_workers
 
     run_ranks(recipe_workers.recipes, str(tmp_path))
@@ -31,6 +35,25 @@ def test_checkpointing_and_offload_change_no_bit_of_the_gradients(tmp_path: Path
             assert runs[f"{strategy}-full-norm-runs"] == 4, runs
             assert runs[f"{strategy}-selective-norm-runs"] == 4, runs
         assert runs["fsdp-offload-norm-runs"] == 2, runs
+
+
+@pytest.mark.multiprocess
+def test_checkpointing_changes_no_bit_under_hsdp_2x2(tmp_path: Path) -> None:
+    """HSDP on 4 gloo ranks, 2 replicas of 2 shards: full and selective checkpointing leave
+    every gradient and grad-sync's global clip norm bit-identical to the plain model's."""
+    import recipe_workers
+
+    run_ranks(recipe_workers.hsdp_recipes, str(tmp_path), world_size=4)
+    for rank in range(4):
+        found = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert found.pop("mesh") == [2, 2]
+        runs = {k: found.pop(k) for k in list(found) if k.endswith("-norm-runs")}
+        assert runs == {
+            "hsdp-plain-norm-runs": 2,
+            "hsdp-full-norm-runs": 4,
+            "hsdp-selective-norm-runs": 4,
+        }, runs
+        assert found and all(found.values()), found
 
 
 def test_the_blocks_are_the_shard_units_or_the_whole_model(
@@ -92,6 +115,30 @@ def test_compile_per_block_matches_eager(caplog: pytest.LogCaptureFixture) -> No
     for eager, compiled_grad in zip(results[0][1], results[1][1], strict=True):
         torch.testing.assert_close(eager, compiled_grad)
     assert "checkpointing=full, compile=True, offload=none" in caplog.text
+
+
+@pytest.mark.usefixtures("process_group")
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+def test_ddp_refuses_a_bypass_under_compile() -> None:
+    """ddp-wrap's bypass refusal still fires when the blocks are compiled (inductor on CPU):
+    a block's Linear run outside the wrapper's forward is refused at its backward, and its
+    parameters get no gradient."""
+    torch._dynamo.reset()
+    model = prepare_model(
+        Regressor,
+        None,
+        config={"strategy": "ddp", "compile": True},
+        device="cpu",
+        default_dtype=torch.float32,
+        seed=5,
+    )
+    block = model.module.blocks[0]
+    assert block._compiled_call_impl is not None  # the block runs compiled
+    with pytest.raises(RuntimeError, match=r"submodule 'blocks\.0\..*' .* of the DDP-wrapped"):
+        block(torch.randn(6, 8)).sum().backward()
+    assert all(p.grad is None for p in block.mlp[2].parameters())
+    torch._dynamo.reset()
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")

@@ -200,6 +200,28 @@ class TestWrap:
             wrap_module_fsdp(model, device="cpu", offload="cpu")  # type: ignore[arg-type]
         assert not any(isinstance(p, DTensor) for p in model.parameters())
 
+    def test_device_resident_optimizer_state_for_offloaded_parameters_is_refused(self) -> None:
+        """Issue 47: offload=True keeps parameters, gradients and optimizer state in host
+        memory. An optimizer with capturable=True (its step counts on the device), or with
+        state on another device than its parameter (here "meta", the invariant checked on a
+        CPU run), is refused at its first step, naming the option; no weight changes. A
+        fused AdamW steps (torch runs it on host parameters)."""
+        model = wrap_module_fsdp(Regressor(), device="cpu", offload=True)
+        before = [p.detach().full_tensor().clone() for p in model.parameters()]
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        capturable = torch.optim.AdamW(model.parameters(), lr=0.1, capturable=True)
+        with pytest.raises(ValueError, match=r"AdamW\(capturable=True\) keeps its step counts"):
+            capturable.step()
+        first = next(iter(model.parameters()))
+        elsewhere = torch.optim.AdamW(model.parameters(), lr=0.1)
+        elsewhere.state[first]["exp_avg"] = torch.empty(first.shape, device="meta")
+        with pytest.raises(ValueError, match=r"state 'exp_avg' of an offloaded parameter .* meta"):
+            elsewhere.step()
+        after = [p.detach().full_tensor() for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+        torch.optim.AdamW(model.parameters(), lr=0.1, fused=True).step()
+        assert not torch.equal(next(iter(model.parameters())).detach().full_tensor(), before[0])
+
     def test_a_model_on_meta_is_sharded_then_materialized(self) -> None:
         """FSDP2's deferred initialization: shard on meta, then ``to_empty`` and initialize."""
         torch.manual_seed(0)

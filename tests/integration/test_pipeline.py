@@ -201,8 +201,8 @@ def test_killed_and_restarted_run_ends_at_the_uninterrupted_weights(tmp_path: Pa
     print("\n".join(line for line in log.splitlines() if re.search(_STORY, line)))
     # Where each attempt resumed. Attempt 1: from step-2, or from scratch when rank 1's kill
     # after step 3 landed before step-2's background save was published (a race). Attempt
-    # 2: always step-4: the killed save of step-6 is never published (rank 1 dies before the
-    # collective that gathers every rank's file table, which publishing waits for), and
+    # 2: always step-4: the killed save of step-6 is never published (rank 1 dies before it
+    # hands DCP its write results, which DCP's commit, where rank 0 publishes, waits for), and
     # step-4 always is (both ranks wait for it before starting step-6's). Attempt 3: step-6
     # or step-4: attempt 2 saves step-6 in the background and rank 0 is killed after step 7,
     # racing its publication (the last round's "step-6 published before rank 1's kill landed,

@@ -23,9 +23,9 @@ from __future__ import annotations
 import itertools
 import sys
 import weakref
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from types import FrameType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -107,7 +107,7 @@ class _Hook:
         ]
         if not tensors:
             return
-        check = _BackwardCheck(ref, _message(wrapper.module, self.name, module))  # type: ignore[arg-type]
+        check = _BackwardCheck(ref, _eager_message(wrapper.module, self.name, module))  # type: ignore[arg-type]
         for tensor in tensors:
             tensor.register_hook(check)  # type: ignore[no-untyped-call]
 
@@ -215,6 +215,14 @@ def _message(root: nn.Module, name: str, module: nn.Module) -> str:
         "torch.inference_mode() if no gradient is needed; wrap_module_ddp(..., "
         "detect_bypass=False) turns this check off"
     )
+
+
+# Under torch.compile the hook is traced; the message walks the stack (sys._getframe), which
+# dynamo cannot trace (it warns and breaks the graph): it runs eagerly, outside the graph.
+_eager_message = cast(
+    Callable[[nn.Module, str, nn.Module], str],
+    torch.compiler.disable(_message),  # type: ignore[no-untyped-call]  # torch leaves it untyped
+)
 
 
 def _calling_method(root: nn.Module) -> str | None:

@@ -1,4 +1,6 @@
-"""A stale optimizer is refused: one built before the wrap replaced the parameters it holds.
+"""Optimizers that would change nothing or cannot step are refused at their first step.
+
+A stale optimizer is refused: one built before the wrap replaced the parameters it holds.
 
 ``fully_shard`` gives every parameter of the module a new ``DTensor`` parameter. An optimizer
 created before the wrap still holds the old ones, which no gradient ever reaches: its steps
@@ -6,6 +8,14 @@ change nothing, and nothing says so (measured here on 2 gloo ranks: three AdamW 
 weight changed). The wrap remembers the parameters it replaced, weakly (an old parameter that
 nothing else holds is forgotten with it), and a global optimizer step pre-hook checks each
 optimizer once, at its first ``step()`` after a wrap, before any weight changes.
+
+So is one that would keep device-resident state for parameters a wrap offloaded to the host
+(``offload=True``): ``capturable=True`` (its step counts stay on the device, for CUDA graphs),
+or state already on another device than its parameter. torch raises on such a step only
+once it is under way (or, for state on the device, not at all on every path); the check
+names the option before any weight changes. ``fused=True`` is not refused: torch runs fused
+Adam and AdamW on host parameters (and refuses, at construction, a fused optimizer on a
+device it has no kernel for).
 
 Cost: one hook call per ``step()`` of any optimizer in the process (a set lookup once the
 optimizer was checked); the check itself walks the optimizer's parameters once per wrap.
@@ -19,11 +29,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 _REPLACED: dict[int, weakref.ref[torch.Tensor]] = {}
 """The parameters a wrap replaced (and that something still holds), by ``id``. Not a
 ``WeakSet``: its lookups compare tensors with ``==``, which is elementwise."""
+
+_OFFLOADED: dict[int, weakref.ref[torch.Tensor]] = {}
+"""The parameters a wrap with ``offload=True`` left in host memory, by ``id``."""
 
 _CHECKED: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
 """Optimizers checked since the last wrap that replaced parameters, by ``id`` (an optimizer
@@ -66,10 +80,24 @@ def remember_replaced(before: list[weakref.ref[nn.Parameter]], module: nn.Module
     return len(replaced)
 
 
-def _forget(key: int) -> Any:
+def remember_offloaded(module: nn.Module) -> None:
+    """Record ``module``'s parameters as offloaded (kept in host memory by the wrap).
+
+    An optimizer holding them is checked for device-resident state at its next step.
+    """
+    with _LOCK:
+        for param in module.parameters():
+            _OFFLOADED[id(param)] = weakref.ref(param, _forget(id(param), _OFFLOADED))
+        _CHECKED.clear()
+    _enable_hook(True)
+
+
+def _forget(key: int, table: dict[int, weakref.ref[torch.Tensor]] | None = None) -> Any:
+    held = _REPLACED if table is None else table
+
     def forget(ref: weakref.ref[torch.Tensor]) -> None:
-        if _REPLACED.get(key) is ref:
-            del _REPLACED[key]
+        if held.get(key) is ref:
+            del held[key]
 
     return forget
 
@@ -79,11 +107,55 @@ def _is_replaced(param: torch.Tensor) -> bool:
     return ref is not None and ref() is param
 
 
+def _is_offloaded(param: torch.Tensor) -> bool:
+    ref = _OFFLOADED.get(id(param))
+    return ref is not None and ref() is param
+
+
+def _check_offloaded(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse device-resident state for offloaded parameters (see the module's docstring).
+
+    Raises:
+        ValueError: Naming the group and the option, or the state on another device.
+    """
+    name = type(optimizer).__name__
+    for index, group in enumerate(optimizer.param_groups):
+        offloaded = [param for param in group["params"] if _is_offloaded(param)]
+        if not offloaded:
+            continue
+        if group.get("capturable"):
+            raise ValueError(
+                f"{name}(capturable=True) keeps its step counts on the device (for CUDA graphs), "
+                f"but parameter group {index} holds {len(offloaded)} parameter(s) that "
+                "wrap_module_fsdp(offload=True) keeps in host memory, with their gradients and "
+                "this optimizer's state: its step cannot run there. Nothing was changed. Create "
+                f"it with capturable=False (torch.optim.{name}(..., fused=True) steps fast on "
+                "host parameters)"
+            )
+        for param in offloaded:
+            home = _local(param).device
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() and _local(value).device != home:
+                    raise ValueError(
+                        f"{name}'s state {key!r} of an offloaded parameter (group {index}) is on "
+                        f"{_local(value).device}, its parameter on {home}: "
+                        "wrap_module_fsdp(offload=True) keeps parameters, gradients and "
+                        "optimizer state in host memory. Nothing was changed. Create the "
+                        "optimizer after the wrap, from model.parameters(), and load its "
+                        "state with checkpoint-io (which places it with its parameter)"
+                    )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _check_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The global step pre-hook: check ``optimizer`` once per wrap, before its step runs.
 
     Raises:
         RuntimeError: If the optimizer holds parameters a wrap replaced.
+        ValueError: If it would keep device-resident state for offloaded parameters.
     """
     checked = _CHECKED.get(id(optimizer))
     if checked is not None and checked() is optimizer:
@@ -101,6 +173,8 @@ def _check_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
             "optimizer after the wrap, from model.parameters() (e.g. "
             f"torch.optim.{type(optimizer).__name__}(model.parameters(), ...))"
         )
+    if _OFFLOADED:
+        _check_offloaded(optimizer)
     key = id(optimizer)
     _CHECKED[key] = weakref.ref(optimizer, lambda ref: _CHECKED.pop(key, None))
 

@@ -27,7 +27,7 @@ from dist_core import (
 )
 from fsdp_wrap._policy import ShardPolicy, describe_units, select_with_rule
 from fsdp_wrap._precision import mixed_precision_policy
-from fsdp_wrap._sentinel import parameters_of, remember_replaced
+from fsdp_wrap._sentinel import parameters_of, remember_offloaded, remember_replaced
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +138,8 @@ def wrap_module_fsdp(
         )
     held = remember_replaced(before, module)  # an optimizer holding these is refused at its step
     del before
+    if offload:  # an optimizer with device-resident state for these is refused at its step
+        remember_offloaded(module)
     if held:
         log_rank0(
             logger,

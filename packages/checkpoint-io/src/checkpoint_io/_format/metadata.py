@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import importlib
 import io
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -46,73 +49,133 @@ DTYPE_NAMES = frozenset(
 """torch's dtypes by name (read from the module's namespace: ``getattr`` would import)."""
 
 
-class _MetadataUnpickler(pickle._Unpickler):
+class _MetadataUnpickler(pickle.Unpickler):
     """An unpickler that builds DCP's metadata types and torch dtypes, and nothing else.
 
-    The pure-Python unpickler, so that ``BUILD`` can be refused on a class (which would change
-    the admitted class for the whole process) and persistent ids refused.
+    The C unpickler (a large index reads ten times faster than with pickle's Python one), made
+    safe by what :meth:`find_class` hands it. ``BUILD`` sets attributes on whatever is on the
+    stack, and on an admitted class, an enum member (``_MEM_FORMAT_ENCODING(0)``'s ``_value_``
+    set to 7 broke every later save) or a function (``_get_layout``'s cache) it would change
+    the process. So an admitted Python class, enum or function is never handed out: a
+    stand-in is (:func:`_stand_in`), made for this unpickling, that refuses ``BUILD`` and,
+    when called (``REDUCE``, ``NEWOBJ``), makes a fresh instance of the real class, calls the
+    real function, or wraps the enum member. What is handed out as itself is immutable:
+    torch's dtypes, ``torch.Size``, and builtin types. Only the fresh objects this unpickling
+    created can be built.
     """
-
-    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
-    stack: list[Any]
 
     def __init__(self, file: Any, source: str) -> None:
         super().__init__(file)
         self.source = source
-        self._built: dict[int, Any] = {}  # the dataclass instances this unpickling created
-
-    def _load_build(self) -> None:
-        # BUILD sets attributes on its target. Only on an instance this unpickling created of
-        # an admitted dataclass: on a class, an enum member (_MEM_FORMAT_ENCODING(0)'s
-        # _value_ set to 7 broke every later save) or a function (_get_layout's cache), it
-        # would change the process.
-        target = self.stack[-2] if len(self.stack) > 1 else None
-        if isinstance(target, type):
-            raise self._refuse(f"a change to the class {target.__module__}.{target.__qualname__}")
-        if self._built.get(id(target)) is not target:
-            kind = type(target)
-            raise self._refuse(
-                f"a change to an object it did not create ({kind.__module__}.{kind.__qualname__})"
-            )
-        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
-
-    dispatch[pickle.BUILD[0]] = _load_build
-
-    def _created(self, handler: Any) -> None:
-        handler(self)
-        made = self.stack[-1]
-        if dataclasses.is_dataclass(made) and not isinstance(made, type | enum.Enum):
-            self._built[id(made)] = made
-
-    def _load_newobj(self) -> None:
-        self._created(pickle._Unpickler.load_newobj)  # type: ignore[attr-defined]
-
-    def _load_newobj_ex(self) -> None:
-        self._created(pickle._Unpickler.load_newobj_ex)  # type: ignore[attr-defined]
-
-    def _load_reduce(self) -> None:
-        self._created(pickle._Unpickler.load_reduce)  # type: ignore[attr-defined]
-
-    dispatch[pickle.NEWOBJ[0]] = _load_newobj
-    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
-    dispatch[pickle.REDUCE[0]] = _load_reduce
+        self._stand_ins: dict[tuple[str, str], Any] = {}
 
     def persistent_load(self, pid: Any) -> Any:
-        raise self._refuse("a persistent id")
+        raise refusal(self.source, "a persistent id")
 
     def find_class(self, module: str, name: str) -> Any:
         if name in _ADMITTED.get(module, ()):
-            return super().find_class(module, name)
+            real = getattr(importlib.import_module(module), name)
+            if (isinstance(real, type) and real.__module__ == "builtins") or real is torch.Size:
+                return real  # immutable: BUILD cannot change it
+            made = self._stand_ins.get((module, name))
+            if made is None:
+                made = self._stand_ins[(module, name)] = _stand_in(real, f"{module}.{name}", self)
+            return made
         if module == "torch" and name in DTYPE_NAMES:
-            return vars(torch)[name]  # a tensor's dtype (torch.float32, ...)
-        raise self._refuse(f"{module}.{name}")
+            return vars(torch)[name]  # a tensor's dtype (torch.float32, ...): immutable
+        raise refusal(self.source, f"{module}.{name}")
 
-    def _refuse(self, what: str) -> CheckpointError:
-        return CheckpointError(
-            f"{self.source} was refused as unsafe: it would load {what}, which is not part of "
-            "a checkpoint's index (DCP's metadata types and torch dtypes); it may run code. "
-            "Nothing was loaded; do not use a checkpoint from a source you do not trust"
+
+def refusal(source: str, what: str) -> CheckpointError:
+    """The error for a ``.metadata`` that would load ``what``."""
+    return CheckpointError(
+        f"{source} was refused as unsafe: it would load {what}, which is not part of "
+        "a checkpoint's index (DCP's metadata types and torch dtypes); it may run code. "
+        "Nothing was loaded; do not use a checkpoint from a source you do not trust"
+    )
+
+
+class _NoBuild:
+    """A data descriptor on the stand-ins' type: reading ``__setstate__`` refuses.
+
+    The unpickler looks ``__setstate__`` up on ``BUILD``'s target before anything else; on
+    a stand-in (a class object) this descriptor of its type wins over the real class's own.
+    """
+
+    def __get__(self, stand_in: Any, kind: Any = None) -> Any:
+        raise refusal(stand_in._source, stand_in._what)
+
+    def __set__(self, stand_in: Any, value: Any) -> None:
+        raise refusal(stand_in._source, stand_in._what)
+
+
+class _Guarded(type):
+    """The stand-ins' type: ``BUILD`` on a stand-in is refused."""
+
+    _what: str
+    _source: str
+    __setstate__ = _NoBuild()
+
+
+def _stand_in(real: Any, name: str, unpickler: _MetadataUnpickler) -> Any:
+    """What ``find_class`` hands out for ``real`` (a Python class, enum or function)."""
+    make: Callable[..., Any]
+    if isinstance(real, enum.EnumMeta):
+        make = functools.partial(_member, real, name, unpickler.source)
+        what = f"a change to an object it did not create ({name})"
+    elif isinstance(real, type):
+        make = functools.partial(_instance, real)
+        what = f"a change to the class {real.__module__}.{real.__qualname__}"
+    else:
+        make = real
+        what = f"a change to an object it did not create ({name})"
+
+    def new(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        return make(*args, **kwargs)
+
+    return _Guarded(
+        f"StandIn[{name}]",
+        (),
+        {"__new__": new, "_what": what, "_source": unpickler.source, "__slots__": ()},
+    )
+
+
+def _instance(real: type, *args: Any, **kwargs: Any) -> Any:
+    """A fresh ``real``: a dataclass's fields from ``BUILD`` (``NEWOBJ``) or from ``args``."""
+    if not dataclasses.is_dataclass(real):
+        return real(*args, **kwargs)
+    made = real.__new__(real)
+    if args or kwargs:
+        real.__init__(made, *args, **kwargs)
+    return made
+
+
+def _member(real: enum.EnumMeta, name: str, source: str, value: Any) -> _Member:
+    return _Member(real(value), name, source)  # one value: a member, never a new enum
+
+
+class _Member:
+    """An enum member as the unpickling made it: equal to it, and refusing ``BUILD``.
+
+    DCP's ``TensorProperties.__setstate__`` compares its memory-format code with
+    ``_MEM_FORMAT_ENCODING``'s members; this wrapper compares equal to its member only.
+    """
+
+    __slots__ = ("_member", "_name", "_source")
+
+    def __init__(self, member: Any, name: str, source: str) -> None:
+        self._member, self._name, self._source = member, name, source
+
+    def __eq__(self, other: object) -> bool:
+        return other is self._member or (
+            isinstance(other, _Member) and other._member is self._member
         )
+
+    def __hash__(self) -> int:
+        return hash(self._member)
+
+    def __setstate__(self, state: Any) -> None:
+        raise refusal(self._source, f"a change to an object it did not create ({self._name})")
 
 
 def read_metadata(path: Path, data: bytes | None = None) -> Metadata:

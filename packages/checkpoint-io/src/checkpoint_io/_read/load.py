@@ -119,9 +119,15 @@ def load_checkpoint(
         failure = error
     agree(failure, f"reading {str(root)!r}")
     staged = plan["target"]
+
+    def check_staged() -> None:  # what needs the values: before the first change, every rank
+        _check_staged(root, model, optimizer, plan)
+
     try:  # into staging: each file read once, checked from the bytes decoded
         with single_process_quiet():
-            reader = VerifyingReader(plan["files"], plan["metadata"])
+            # format 1's fingerprint is a collective of its own: checked after the read
+            after_read = None if plan["fingerprint"] else check_staged
+            reader = VerifyingReader(plan["files"], plan["metadata"], after_read)
             dcp_load(staged, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointException as error:
         unsafe = unsafe_cause(error)
@@ -131,12 +137,13 @@ def load_checkpoint(
             f"reading {str(root)!r} failed: the checkpoint is truncated or corrupt "
             f"({_last_line(error)}); nothing was loaded"
         ) from None
-    failure = None
-    try:  # what needs the values: checked before the first change, on every rank
-        _check_staged(root, model, optimizer, plan)
-    except Exception as error:
-        failure = error
-    agree(failure, f"verifying {str(root)!r}")
+    if plan["fingerprint"]:
+        failure = None
+        try:
+            check_staged()
+        except Exception as error:
+            failure = error
+        agree(failure, f"verifying {str(root)!r}")
     # Everything read and checked on every rank: now change the model, optimizer, RNG.
     set_model_state_dict(model, staged[MODEL], options=StateDictOptions(strict=strict))
     if optimizer is not None:

@@ -9,6 +9,7 @@ planner's target (a load's staging).
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,12 +34,20 @@ class VerifyingReader(FileSystemReader):
     Args:
         files: The checkpoint's files.
         metadata: Its index, read and checked by :func:`read_checked`.
+        after_read: Checks what this rank read, once it is all read: what it raises, DCP
+            raises on every rank (in the collective that ends its read, with no other).
     """
 
-    def __init__(self, files: CheckpointFiles, metadata: Metadata) -> None:
+    def __init__(
+        self,
+        files: CheckpointFiles,
+        metadata: Metadata,
+        after_read: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(str(files.root))
         self.files = files
         self._metadata = metadata
+        self._after_read = after_read
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The index already read and checked (no second read)."""
@@ -63,6 +72,8 @@ class VerifyingReader(FileSystemReader):
                     _deliver(item, data, planner, f"{name} at byte {spans[index][0]}")
 
             self.files.read_records(name, spans, each)
+        if self._after_read is not None:
+            self._after_read()
         done: Future[None] = Future()
         done.set_result(None)
         return done

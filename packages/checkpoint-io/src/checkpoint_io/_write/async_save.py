@@ -15,7 +15,6 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
 from checkpoint_io._collective import (
-    agree,
     gloo_group,
     quiet_single_process_notice_in_background,
     single_process_quiet,
@@ -24,9 +23,8 @@ from checkpoint_io._compat import CheckpointException, dcp_failure
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.manifest import PathLike
 from checkpoint_io._state.model import model_device
-from checkpoint_io._write.hashing import HashingWriter
 from checkpoint_io._write.inflight import PendingCheckpoint, track
-from checkpoint_io._write.publish import begin, finish
+from checkpoint_io._write.publish import begin, publishing_writer
 from checkpoint_io._write.save import collect_state, new_manifest
 from checkpoint_io._write.staging import stage
 from dist_core import is_distributed, log_rank0, rank
@@ -91,25 +89,28 @@ def start_async_save(
     ``after_publish`` runs on rank 0 in the writing thread once the checkpoint is published,
     before ``wait()`` returns.
     """
-    target, partial = begin(path, model, optimizer, step, extra, stateful, overwrite)
+    target = begin(path, model, optimizer, step, extra, stateful)
     started = time.perf_counter()
-    state, parts = collect_state(model, optimizer, stateful)
+    rng_state = None
+
+    def staged(state: dict[str, Any]) -> dict[str, Any]:
+        nonlocal rng_state
+        rng_state = capture_rng_state(model_device(model)) if rng else None
+        return stage(state)  # host copies, off the tensors training will change
+
+    # collected and staged in one agreement: a failure on any rank raises everywhere
+    state, parts, partial = collect_state(
+        model, optimizer, stateful, target, overwrite, prepare=staged
+    )
     manifest = new_manifest(model, optimizer, step, extra, parts, rng)
     group = gloo_group("background")
-    writer = HashingWriter(partial, device=model_device(model), host_only=True)
-    staged: dict[str, Any] = {}
-    failure: BaseException | None = None
-    rng_state = None
-    try:
-        rng_state = capture_rng_state(model_device(model)) if rng else None
-        staged = stage(state)  # host copies, off the tensors training will change
-    except Exception as error:
-        failure = error
-    agree(failure, "staging the state to save")
+    writer = publishing_writer(
+        partial, target, manifest, rng_state, parts, device=model_device(model), host_only=True
+    )
     quiet_single_process_notice_in_background()
     with single_process_quiet():
         upload = dcp_async_save(
-            staged,
+            state,
             storage_writer=writer,
             process_group=group,
             async_stager=_AlreadyStaged(),
@@ -119,17 +120,12 @@ def start_async_save(
 
     def complete() -> Path:
         try:
-            failure: BaseException | None = None
+            if not isinstance(upload, concurrent.futures.Future):  # staged in the foreground
+                raise TypeError(f"dcp.async_save returned {type(upload).__name__}")
             try:
-                if not isinstance(upload, concurrent.futures.Future):  # staged in the foreground
-                    raise TypeError(f"dcp.async_save returned {type(upload).__name__}")
-                upload.result()
-            except CheckpointException as error:  # a BaseException; DCP raises it everywhere
-                failure = CheckpointError(dcp_failure(f"writing {str(target)!r}", error))
-            except Exception as error:
-                failure = error
-            agree(failure, f"writing {str(target)!r}", group)
-            finish(partial, target, manifest, writer, rng_state, group, parts=parts)
+                upload.result()  # published when DCP commits, which raises on every rank
+            except CheckpointException as error:  # a BaseException: make it an Exception
+                raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
             if after_publish is not None and rank() == 0:
                 after_publish()
         except BaseException:

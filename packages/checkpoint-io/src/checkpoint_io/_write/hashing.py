@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterable, Mapping
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Generator, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -15,9 +20,11 @@ from torch.futures import Future
 from checkpoint_io._format.digest import FileTable, file_entry
 from dist_core import on_device
 
+Spans = list[tuple[int, int]]  # (offset, length) of the records of one file
+
 
 def hash_files(
-    root: Path, names: Iterable[str], records: Mapping[str, list[tuple[int, int]]] | None = None
+    root: Path, names: Iterable[str], records: Mapping[str, Spans] | None = None
 ) -> FileTable:
     """The entries of ``names`` (paths relative to ``root``), with ``records``' digests."""
     spans = records or {}
@@ -30,9 +37,18 @@ class HashingWriter(FileSystemWriter):
     Each data file's entry also holds the digest of each record in it (``records``): a
     rank that loads a few records of a file checks them without reading the rest.
 
-    The checksums are computed in a thread once DCP has written this rank's files, while DCP
-    gathers the plans' results and writes its metadata (time a rank mostly spends waiting for
-    the others); :attr:`files` waits for them.
+    The file tables ride on DCP's own commit: each rank writes its ``side_files`` first (so
+    that DCP's flush of the data commits them too), then its data files, and hands the
+    entries to DCP with its write results; the coordinator (rank 0), once DCP has written
+    ``.metadata``, calls ``publish`` with every rank's table. A failure there, or on any rank
+    before, is raised by DCP on every rank. So a save adds no collective of its own after the
+    state is collected.
+
+    A file is hashed in a thread from the moment DCP has written its last byte and asks for
+    it to be flushed to the disk (:class:`_HashingFileSystem`): the hashing reads the page
+    cache while the rank waits for the disk, so a save costs little more than DCP's own. A
+    file whose records DCP did not write where they were expected (another torch could
+    write otherwise) is hashed again once its records are known. :attr:`files` waits.
 
     DCP may call :meth:`write_data` from a thread of its own (a background save), where the
     current CUDA device is 0 whatever the rank: DCP's copying loader takes that device's
@@ -41,42 +57,130 @@ class HashingWriter(FileSystemWriter):
 
     Args:
         path: The directory written.
+        side_files: Writes this rank's other files (RNG, stateful) and returns their entries.
+        publish: Publishes the checkpoint on the coordinator, given every rank's file table
+            (by rank).
         device: This rank's device (the model's); ``None`` or CPU: nothing to enter.
         host_only: Every tensor written is already in host memory (a staged state).
+        written: Called on each rank once all its files are written and hashed.
     """
 
     def __init__(
-        self, path: Path, *, device: torch.device | None = None, host_only: bool = False
+        self,
+        path: Path,
+        side_files: Callable[[], FileTable],
+        publish: Callable[[list[FileTable]], None],
+        *,
+        device: torch.device | None = None,
+        host_only: bool = False,
+        written: Callable[[], None] | None = None,
     ) -> None:
         # per_thread_copy_ahead=0 makes DCP copy with its serial loader, which leaves host
         # tensors as they are and touches no device stream.
         super().__init__(str(path), per_thread_copy_ahead=0 if host_only else 10_000_000)
         self.root = path
         self.device = device
-        self._files: concurrent.futures.Future[FileTable] | None = None
-
-    @property
-    def files(self) -> FileTable:
-        """The entries of the data files this rank wrote (waits for their checksums).
-
-        Raises:
-            OSError: If a file could not be read back.
-        """
-        return {} if self._files is None else self._files.result()
+        self.fs: _HashingFileSystem = _HashingFileSystem()
+        self._side_files = side_files
+        self._publish = publish
+        self._written = written
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's files (DCP), then start summing them while in the page cache."""
+        """Write this rank's files; their table goes to the coordinator with the results.
+
+        Raises:
+            OSError: If a file could not be written or read back (DCP raises it everywhere).
+        """
+        table = self._side_files()  # first: DCP's flush of the data then commits them too
         with on_device(self.device):  # DCP's thread: this rank's device, not device 0
-            written = super().write_data(plan, planner)
-        results = written.wait()
-        records: dict[str, list[tuple[int, int]]] = {}
+            results = super().write_data(plan, planner).wait()
+        records: dict[str, Spans] = {}
         for result in results:
             info = result.storage_data
             if getattr(info, "relative_path", None) is not None:
                 span = (int(info.offset), int(info.length))
                 records.setdefault(str(info.relative_path), []).append(span)
-        self._files = _SUMMING.submit(hash_files, self.root, list(records), records)
-        return written
+        hashing = {name: self.fs.hashed(self.root / name, spans) for name, spans in records.items()}
+        table.update({name: hashing[name].result() for name in sorted(hashing)})
+        if self._written is not None:
+            self._written()
+        done: Future[list[WriteResult]] = Future()
+        done.set_result([*results, WriteResult(index=_TABLE, size_in_bytes=0, storage_data=table)])
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """DCP's ``.metadata`` (without the file tables), then ``publish`` with them."""
+        tables: list[FileTable] = []
+        for each in results:
+            tables.append(next((r.storage_data for r in each if r.index == _TABLE), {}))
+            each[:] = [result for result in each if result.index != _TABLE]
+        super().finish(metadata, results)
+        self._publish(tables)
+
+
+# A write result that no state key has: a chunk's offsets are never negative.
+_TABLE = MetadataIndex("checkpoint_io.file_table", offset=(-1,))
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local file system; each file it writes is hashed as soon as it is complete.
+
+    DCP asks for the position before and after each record it writes (its offset and
+    length) and for the file's descriptor once the last record is written, to flush it to
+    the disk: the stream it gets keeps those positions, and the descriptor starts the hash.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._started: dict[str, tuple[Spans, concurrent.futures.Future[dict[str, Any]]]] = {}
+        self._lock = threading.Lock()  # DCP may write files from several threads
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
+        """DCP's stream; one opened to write is hashed once complete."""
+        with super().create_stream(path, mode) as stream:
+            yield stream if mode != "wb" else _Positions(stream, Path(path), self._start)
+
+    def _start(self, path: Path, spans: Spans) -> None:
+        future = _SUMMING.submit(file_entry, path, spans)
+        with self._lock:
+            self._started[os.fspath(path)] = (sorted(spans), future)
+
+    def hashed(self, path: Path, records: Spans) -> concurrent.futures.Future[dict[str, Any]]:
+        """The entry of ``path`` with its ``records``' digests (hashed again if needed)."""
+        with self._lock:
+            spans, future = self._started.pop(os.fspath(path), ([], None))
+        if future is not None and spans == sorted(set(records)):
+            return future
+        return _SUMMING.submit(file_entry, path, records)
+
+
+class _Positions:
+    """A stream DCP writes, keeping the bounds of what was written between positions asked."""
+
+    def __init__(self, stream: Any, path: Path, complete: Any) -> None:
+        self._stream = stream
+        self._path = path
+        self._complete = complete
+        self._spans: Spans = []
+        self._start = 0
+
+    def tell(self) -> int:
+        """The position; what was written since the last call is a record."""
+        position = int(self._stream.tell())
+        if position != self._start:
+            self._spans.append((self._start, position - self._start))
+            self._start = position
+        return position
+
+    def fileno(self) -> int:
+        """The descriptor (DCP wants it to flush the complete file): start the hash."""
+        self._stream.flush()
+        self._complete(self._path, self._spans)
+        return int(self._stream.fileno())
+
+    def __getattr__(self, name: str) -> Any:  # write, flush, close, ...
+        return getattr(self._stream, name)
 
 
 # One thread sums the files of the save in progress (one save at a time per process).

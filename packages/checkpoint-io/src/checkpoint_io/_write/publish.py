@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -13,10 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from checkpoint_io._collective import agree, from_rank0
 from checkpoint_io._format.digest import FileTable
 from checkpoint_io._format.manifest import (
     MANIFEST,
@@ -45,60 +44,69 @@ logger = logging.getLogger(__name__)
 TEST_KILL_IN_SAVE = "CHECKPOINT_IO_TEST_KILL_IN_SAVE"
 
 
-def finish(
+def publishing_writer(
     partial: Path,
     target: Path,
     manifest: dict[str, Any],
-    writer: HashingWriter,
     rng_state: RngState | None,
-    group: dist.ProcessGroup | None = None,
+    parts: StatefulParts | None,
     *,
-    parts: StatefulParts | None = None,
-) -> None:
-    """After DCP wrote ``partial``: RNG and stateful files, file table, manifest, rename.
+    device: torch.device | None,
+    host_only: bool = False,
+) -> HashingWriter:
+    """DCP's writer for ``partial`` that publishes it at ``target`` when DCP commits.
 
-    Everything is fsynced before the rename.
-
-    Collective over ``group``: ``writer`` has the entries of the data files this rank wrote;
-    every rank's are gathered to rank 0, which adds ``.metadata``, writes the manifest and
-    publishes once every file and directory is on the disk. A failure on any rank raises on
-    every rank and nothing is published.
+    Each rank writes its RNG and stateful files, then its data files; once DCP has written
+    ``.metadata``, rank 0 adds the file tables to ``manifest``, flushes everything to the
+    disk and renames ``partial`` to ``target``. A failure anywhere is raised by DCP on every
+    rank, and nothing is published.
     """
-    failure: BaseException | None = None
+    return HashingWriter(
+        partial,
+        functools.partial(_side_files, partial, rng_state, parts),
+        functools.partial(_seal, partial, target, manifest),
+        device=device,
+        host_only=host_only,
+        written=functools.partial(_test_kill, target),
+    )
+
+
+def _side_files(
+    partial: Path, rng_state: RngState | None, parts: StatefulParts | None
+) -> FileTable:
+    """This rank's RNG and stateful files, flushed to the disk, with their entries."""
     files: FileTable = {}
-    try:
-        if rng_state is not None:
-            name = f"{RNG_DIR}/rank{rank()}.pt"
-            (partial / RNG_DIR).mkdir(parents=True, exist_ok=True)
-            torch.save(rng_state, partial / name)
-            fsync_file(partial / name)
-            files.update(hash_files(partial, [name]))
-        if parts is not None and parts.writes_file(rank()):
-            name = stateful_file(rank())
-            (partial / name).parent.mkdir(parents=True, exist_ok=True)
-            (partial / name).write_bytes(parts.blob)
-            fsync_file(partial / name)
-            files.update(hash_files(partial, [name]))
-        files.update(writer.files)  # summed in a thread since DCP wrote them
-    except Exception as error:
-        failure = error
-    if os.environ.get(TEST_KILL_IN_SAVE) == target.name:  # the restart test: a kill mid-save
+    if rng_state is not None:
+        name = f"{RNG_DIR}/rank{rank()}.pt"
+        (partial / RNG_DIR).mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state, partial / name)
+        fsync_file(partial / name)
+        files.update(hash_files(partial, [name]))
+    if parts is not None and parts.writes_file(rank()):
+        name = stateful_file(rank())
+        (partial / name).parent.mkdir(parents=True, exist_ok=True)
+        (partial / name).write_bytes(parts.blob)
+        fsync_file(partial / name)
+        files.update(hash_files(partial, [name]))
+    return files
+
+
+def _test_kill(target: Path) -> None:
+    """The restart test's kill mid-save: every file of this rank written, nothing published."""
+    if os.environ.get(TEST_KILL_IN_SAVE) == target.name:
         os.kill(os.getpid(), signal.SIGKILL)
-    tables = agree(failure, "saving the RNG states and checksumming the files", group, share=files)
-    failure = None
-    if rank() == 0:
-        try:
-            table: FileTable = {}
-            tables[0] = {**tables[0], **hash_files(partial, [METADATA_FILE])}
-            for writer_rank, each in enumerate(tables):
-                table.update({name: {**entry, "rank": writer_rank} for name, entry in each.items()})
-            write_manifest(partial, {**manifest, "files": table})
-            fsync_file(partial / MANIFEST)
-            fsync_tree(partial)  # every file's directory entry, then the rename
-            _publish(partial, target)
-        except Exception as error:
-            failure = error
-    agree(failure, f"publishing {str(target)!r}", group)
+
+
+def _seal(partial: Path, target: Path, manifest: dict[str, Any], tables: list[FileTable]) -> None:
+    """On rank 0, every rank's files written: the manifest, the fsyncs, then the rename."""
+    table: FileTable = {}
+    tables[0] = {**tables[0], **hash_files(partial, [METADATA_FILE])}
+    for writer_rank, each in enumerate(tables):
+        table.update({name: {**entry, "rank": writer_rank} for name, entry in each.items()})
+    write_manifest(partial, {**manifest, "files": table})
+    fsync_file(partial / MANIFEST)
+    fsync_tree(partial)  # every file's directory entry, then the rename
+    _publish(partial, target)
 
 
 def begin(
@@ -108,22 +116,35 @@ def begin(
     step: object,
     extra: object,
     stateful: object,
-    overwrite: bool,
-) -> tuple[Path, Path]:
-    """Check the arguments, settle a save still in flight, name the temporary sibling.
+) -> Path:
+    """Check the arguments and settle a save still in flight (no collective).
 
     Returns:
-        ``(target, partial)``: the checkpoint directory and where it is written first.
+        The checkpoint directory.
     """
     target = _check_arguments(path, model, optimizer, step, extra, stateful)
     settle_in_flight()
-    exists, token = from_rank0((target.exists(), uuid.uuid4().hex[:12]))
+    return target
+
+
+def claim(target: Path) -> tuple[bool, str]:
+    """What rank 0 tells the others as a save starts: ``target`` exists; a temporary name."""
+    return target.exists(), uuid.uuid4().hex[:12]
+
+
+def partial_for(target: Path, overwrite: bool, claimed: tuple[bool, str]) -> Path:
+    """Where a save writes first, from rank 0's :func:`claim` (the same on every rank).
+
+    Raises:
+        FileExistsError: If ``target`` exists and ``overwrite`` is false.
+    """
+    exists, token = claimed
     if exists and not overwrite:
         raise FileExistsError(
             f"{str(target)!r} already exists; pass overwrite=True to replace it (the old "
             "checkpoint is removed only once the new one is complete), or choose a new path"
         )
-    return target, target.parent / f".{target.name}.partial-{token}"
+    return target.parent / f".{target.name}.partial-{token}"
 
 
 def _publish(partial: Path, target: Path) -> None:

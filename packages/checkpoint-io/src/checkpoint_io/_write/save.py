@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,7 @@ from checkpoint_io._state.model import (
 from checkpoint_io._state.optimizer import optimizer_state
 from checkpoint_io._state.stateful import StatefulParts
 from checkpoint_io._state.stateful import collect as collect_stateful
-from checkpoint_io._write.hashing import HashingWriter
-from checkpoint_io._write.publish import begin, finish
+from checkpoint_io._write.publish import begin, claim, partial_for, publishing_writer
 from dist_core import (
     log_rank0,
     rank,
@@ -93,14 +92,9 @@ def save_checkpoint(
         FileExistsError: If ``path`` exists and ``overwrite`` is false.
         CheckpointError: If writing failed on any rank (the rank and its error are named).
     """
-    target, partial = begin(path, model, optimizer, step, extra, stateful, overwrite)
+    target = begin(path, model, optimizer, step, extra, stateful)
     started = time.perf_counter()
-    try:
-        _write(partial, target, model, optimizer, step, extra, stateful, rng)
-    except BaseException:
-        if rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise
+    _write(target, overwrite, model, optimizer, step, extra, stateful, rng)
     log_rank0(
         logger,
         logging.INFO,
@@ -115,8 +109,8 @@ def save_checkpoint(
 
 
 def _write(
-    partial: Path,
     target: Path,
+    overwrite: bool,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     step: int | None,
@@ -124,30 +118,43 @@ def _write(
     stateful: Mapping[str, Any] | None,
     rng: bool,
 ) -> None:
-    state, parts = collect_state(model, optimizer, stateful)
-    manifest = new_manifest(model, optimizer, step, extra, parts, rng)
-    rng_state = capture_rng_state(model_device(model)) if rng else None
-    writer = HashingWriter(partial, device=model_device(model))
+    state, parts, partial = collect_state(model, optimizer, stateful, target, overwrite)
     try:
-        with single_process_quiet():
-            dcp_save(state, storage_writer=writer)
-    except CheckpointException as error:  # a BaseException: make it an Exception
-        raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
-    finish(partial, target, manifest, writer, rng_state, parts=parts)
+        manifest = new_manifest(model, optimizer, step, extra, parts, rng)
+        rng_state = capture_rng_state(model_device(model)) if rng else None
+        writer = publishing_writer(
+            partial, target, manifest, rng_state, parts, device=model_device(model)
+        )
+        try:
+            with single_process_quiet():
+                dcp_save(state, storage_writer=writer)  # published when DCP commits
+        except CheckpointException as error:  # a BaseException: make it an Exception
+            raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
+    except BaseException:
+        if rank() == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
 
 
 def collect_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     stateful: Mapping[str, Any] | None,
-) -> tuple[dict[str, Any], StatefulParts | None]:
-    """The state DCP writes, keyed by plain names, and the ``stateful=`` objects' parts.
+    target: Path,
+    overwrite: bool,
+    *,
+    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> tuple[dict[str, Any], StatefulParts | None, Path]:
+    """The state DCP writes (plain names), the ``stateful=`` parts, the temporary directory.
 
-    Collective: a failure raises everywhere, before anything is written.
+    Collective (one collective, which also carries rank 0's :func:`claim` of ``target``):
+    a failure raises everywhere, before anything is written. ``prepare`` (a background
+    save's staging) runs on the collected state before the ranks agree.
 
     Raises:
         TypeError: A stateful value that could not be read back safely (on the rank that
             holds it; the others raise ``CheckpointError`` naming that rank).
+        FileExistsError: If ``target`` exists and ``overwrite`` is false.
     """
     state: dict[str, Any] = {}
     parts: StatefulParts | None = None
@@ -161,14 +168,19 @@ def collect_state(
             parts = collect_stateful(stateful)
             if parts.sharded:  # only the DTensor leaves go through DCP
                 state[STATEFUL] = parts.sharded
+        if prepare is not None:
+            state = prepare(state)
     except Exception as error:
         failure = error
+    claimed = claim(target) if rank() == 0 else None
     everyone = agree(
-        failure, "collecting the state to save", share=None if parts is None else parts.digests
+        failure,
+        "collecting the state to save",
+        share=(None if parts is None else parts.digests, claimed),
     )
     if parts is not None:
-        parts.everyone = everyone
-    return state, parts
+        parts.everyone = [digests for digests, _ in everyone]
+    return state, parts, partial_for(target, overwrite, everyone[0][1])
 
 
 def new_manifest(
