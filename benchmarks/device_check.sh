@@ -185,11 +185,13 @@ step estimate_agreement bash -c '"$0" -m strategy_bench estimate --models $1 --d
   --out "$3/estimate" --overwrite $4' \
   "$py" "$models" "$dtype" "$work" "$gpu_args"
 
-# The step knobs on the device: activation checkpointing and gradient accumulation, on the
-# smallest preset. compile is left out: inductor's build of one point alone outlasts the
-# sweep's share of the budget (KNOBS=compile ... with a larger BUDGET measures it).
+# The recipe's knobs on the device, on the smallest preset: activation checkpointing, CPU
+# offload (FSDP2's CPUOffloadPolicy, pinned host memory: the row's host_bytes, step time and
+# device peak beside plain FSDP's) and gradient accumulation. compile is left out: inductor's
+# build of one point alone outlasts the sweep's share of the budget (KNOBS=compile ... with a
+# larger BUDGET measures it).
 sweep_model=small
-knobs="${KNOBS:-activation_checkpointing grad_accum}"
+knobs="${KNOBS:-activation_checkpointing offload grad_accum}"
 if [ "$device" = cpu ]; then sweep_model=tiny; fi
 # shellcheck disable=SC2086  # $knobs is a list of names
 step sweep bash -c '"$0" -m strategy_bench sweep --device "$1" --models "$2" --dtype "$3" \

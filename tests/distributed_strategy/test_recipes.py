@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -54,6 +55,29 @@ def test_checkpointing_changes_no_bit_under_hsdp_2x2(tmp_path: Path) -> None:
             "hsdp-selective-norm-runs": 4,
         }, runs
         assert found and all(found.values()), found
+
+
+@pytest.mark.usefixtures("process_group")
+@pytest.mark.parametrize(
+    "recipe",
+    [{"checkpointing": "full"}, {"checkpointing": "selective"}, {"offload": True}],
+    ids=["full", "selective", "offload"],
+)
+def test_the_stale_optimizer_check_holds_with_each_knob(recipe: dict[str, Any]) -> None:
+    """fsdp-wrap's refusal of an optimizer built before the wrap still fires with the block
+    recipe applied first (checkpointing) and with offload, before any weight changes."""
+    from fsdp_wrap import wrap_module_fsdp
+
+    model = Regressor()
+    stale = torch.optim.AdamW(model.parameters(), lr=0.1)
+    apply_block_recipe(model.blocks, checkpointing=recipe.get("checkpointing", "none"))
+    wrap_module_fsdp(model, device="cpu", offload=recipe.get("offload", False))
+    model(torch.randn(4, 8)).sum().backward()
+    before = [p.detach().full_tensor().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="was created before the model was sharded"):
+        stale.step()
+    after = [p.detach().full_tensor() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
 def test_the_blocks_are_the_shard_units_or_the_whole_model(

@@ -221,6 +221,13 @@ class TestWrap:
         assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
         torch.optim.AdamW(model.parameters(), lr=0.1, fused=True).step()
         assert not torch.equal(next(iter(model.parameters())).detach().full_tensor(), before[0])
+        # The check holds no reference to a parameter, which would make torch refuse to swap
+        # it: a model sharded on meta with offload still materializes (to_empty swaps).
+        with torch.device("meta"):
+            deferred = Regressor()
+        wrap_module_fsdp(deferred, device="cpu", offload=True)
+        deferred.to_empty(device="cpu")
+        assert all(p.device.type == "cpu" for p in deferred.parameters())
 
     def test_a_model_on_meta_is_sharded_then_materialized(self) -> None:
         """FSDP2's deferred initialization: shard on meta, then ``to_empty`` and initialize."""

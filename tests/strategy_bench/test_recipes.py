@@ -154,6 +154,80 @@ def test_each_recipe_gets_its_row(tmp_path: Path) -> None:
         assert each["peak_bytes"] < once["peak_bytes"]  # no unsharded gradients held
 
 
+def test_offload_moves_the_sharded_state_to_the_host_and_costs_its_copies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--offload cpu (issue 47): FSDP and HSDP rows keep their parameter, gradient and
+    optimizer shards in host memory (host_bytes), the device peak without them, and the
+    host-link copies per step (each parameter shard in before each of its 2 all-gathers, each
+    gradient shard out once); the step costs the copies at the H100's PCIe rate and the
+    optimizer at the host's bandwidth. DDP has nothing to offload: its row is the plain one.
+    --compile is refused by the estimate by name."""
+    from strategy_bench.estimate._offload import HOST_LINK_EFFICIENCY, HOST_OPTIMIZER_GBS
+
+    plain = {row["strategy"]: row for row in _estimate(tmp_path, "plain")}
+    offloaded = {row["strategy"]: row for row in _estimate(tmp_path, "cpu", "--offload", "cpu")}
+    assert offloaded["ddp"]["knobs"] == {} and "host_bytes" not in offloaded["ddp"]
+    for strategy in ("fsdp", "hsdp"):
+        row, base = offloaded[strategy], plain[strategy]
+        assert row["knobs"] == {"offload": "cpu"}
+        state = row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]
+        assert row["host_bytes"] == state > 0
+        assert row["device_peak_bytes"] == row["peak_bytes"] - state
+        assert row["offload_h2d_bytes_per_step"] == 2 * row["param_bytes"]
+        assert row["offload_d2h_bytes_per_step"] == row["grad_bytes"]
+        copies = row["offload_h2d_bytes_per_step"] + row["offload_d2h_bytes_per_step"]
+        link = 64e9 * HOST_LINK_EFFICIENCY
+        parts, base_parts = row["predicted_parts_ms"], base["predicted_parts_ms"]
+        assert parts["host_copy"] == pytest.approx(copies / link * 1e3)
+        slower = 3350 / HOST_OPTIMIZER_GBS  # the H100's HBM against the host's bandwidth
+        assert parts["optimizer"] == pytest.approx(base_parts["optimizer"] * slower)
+        assert row["predicted_step_ms"] > base["predicted_step_ms"]
+    args = ["estimate", "--models", "tiny", "--world-size", "16", "--gpu", "H100", "--compile"]
+    assert main([*args, "--out", str(tmp_path / "compiled")]) == 2
+    assert "--compile: the estimate steps the model on fake tensors" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_run_measures_the_recipe_keys(tmp_path: Path) -> None:
+    """run --offload cpu --activation-checkpointing selective --compile on 2 gloo ranks: the
+    FSDP row carries every key and the bytes it keeps in host memory (all of its shards, on a
+    CPU run), the DDP row the keys DDP takes (no offload); compile's first-step seconds are
+    their own field (compile skipped here: no C++ compiler, so the rows run without it)."""
+    out = tmp_path / "run"
+    recipe = ("--offload", "cpu", "--activation-checkpointing", "selective")
+    done = bench("run", *QUICK, "--models", "tiny", *recipe, "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = {
+        row["strategy"]: row for row in json.loads((out / "results.json").read_text())["results"]
+    }
+    fsdp, ddp = rows["fsdp"], rows["ddp"]
+    assert fsdp["knobs"] == {"activation_checkpointing": "selective", "offload": "cpu"}
+    assert ddp["knobs"] == {"activation_checkpointing": "selective"}
+    state = fsdp["param_bytes"] + fsdp["grad_bytes"] + fsdp["optimizer_bytes"]
+    assert fsdp["host_bytes"] == pytest.approx(state, rel=0.05) and state > 0
+    assert ddp["host_bytes"] is None and fsdp["compile_s"] is None
+    assert "compile s" in (out / "report.md").read_text()
+
+
+def test_the_offload_knob_is_strategy_configs() -> None:
+    """The bench's offload knob: strategy-config's values and DDP refusal, dropped from DDP's
+    share of a recipe; FSDP gets wrap_module_fsdp's bool."""
+    from strategy_bench._errors import BenchUsageError
+    from strategy_bench.workload import fsdp_wrap_knobs, offloads, recipe_for
+
+    assert offloads("fsdp", {"offload": "CPU"}) and not offloads("fsdp", {})
+    with pytest.raises(BenchUsageError, match=r"offload='cpu' needs a sharded strategy"):
+        offloads("ddp", {"offload": "cpu"})
+    with pytest.raises(
+        BenchUsageError,
+        match=r"offload must be one of \{none, cpu\}, got .gpu. \(did you mean .cpu.\?\)",
+    ):
+        offloads("fsdp", {"offload": "gpu"})
+    assert recipe_for("ddp", {"offload": "cpu", "compile": True}) == {"compile": True}
+    assert fsdp_wrap_knobs("hsdp", {"offload": "cpu", "grad_accum": 2}) == {"offload": True}
+
+
 def test_a_calibrated_full_checkpoint_recomputes_the_forward_a_selective_does_not() -> None:
     """Calibrated without checkpointing: full adds the forward again (+1/3), selective adds no
     matmul (its recompute is the cheap ops)."""

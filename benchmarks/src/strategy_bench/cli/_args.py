@@ -17,6 +17,7 @@ from strategy_bench.workload import (
     CPU_DEFAULT_MODELS,
     ESTIMATE_DEFAULT_MODELS,
     GPU_DEFAULT_MODELS,
+    OFFLOAD_MODES,
     PRESETS,
     WorkloadSpec,
     check_workload,
@@ -202,6 +203,19 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
         "attention outputs, recompute the rest; op-level, after torchtitan's policy) or none",
     )
     group.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each block (inductor) before the wrap; the first step's extra "
+        "seconds are reported as compile_s",
+    )
+    group.add_argument(
+        "--offload",
+        choices=OFFLOAD_MODES,
+        default=None,
+        help="FSDP/HSDP: cpu keeps the sharded parameters, gradients and optimizer state in "
+        "host memory (FSDP2's CPUOffloadPolicy); DDP points run without it",
+    )
+    group.add_argument(
         "--grad-accum",
         type=int,
         default=None,
@@ -232,6 +246,10 @@ def recipe_knobs(args: argparse.Namespace) -> dict[str, Any]:
         knobs["reduce_dtype"] = "bf16"
     if args.activation_checkpointing not in (None, "none"):
         knobs["activation_checkpointing"] = args.activation_checkpointing
+    if getattr(args, "compile", False):
+        knobs["compile"] = True
+    if getattr(args, "offload", None) not in (None, "none"):
+        knobs["offload"] = args.offload
     if args.grad_accum is not None:
         if args.grad_accum < 1:
             raise BenchUsageError(

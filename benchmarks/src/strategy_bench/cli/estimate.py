@@ -184,6 +184,11 @@ def command(args: argparse.Namespace) -> int:
     )
     worlds = list(dict.fromkeys(args.world_size))
     recipe = recipe_knobs(args)
+    if recipe.get("compile"):
+        raise BenchUsageError(
+            "--compile: the estimate steps the model on fake tensors and has no model of a "
+            "compiled step; leave --compile out (measure it with run --compile)"
+        )
     points = estimate_points(
         len(specs), args.strategies, worlds, recipe=recipe, gpus_per_node=args.gpus_per_node
     )

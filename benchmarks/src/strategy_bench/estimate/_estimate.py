@@ -32,6 +32,7 @@ from strategy_bench._compat import FakeTensorMode, fake_process_group, unset_fak
 from strategy_bench._errors import BenchUsageError, error_summary
 from strategy_bench.estimate._agreement import comm_total
 from strategy_bench.estimate._init_peak import ModelSizes, init_peaks
+from strategy_bench.estimate._offload import offload_fields
 from strategy_bench.estimate._points import EstimateOptions, EstimatePoint
 from strategy_bench.measure import (
     _wrappers,
@@ -146,6 +147,7 @@ def _step(
     return {
         **counts,
         **out,
+        **offload_fields(point.strategy, point.knobs, out),
         "init_peak_bytes": init_peaks(sizes, point.strategy, shards, point.world_size),
         "static_bytes": static,
         "total_bytes": static + out["activation_peak_bytes"],

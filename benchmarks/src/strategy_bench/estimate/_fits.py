@@ -85,6 +85,10 @@ def device_memory(gpu: str | None, gib: float | None) -> DeviceMemory | None:
 
 
 def annotate_fits(row: Mapping[str, Any], device: DeviceMemory) -> dict[str, Any]:
-    """``fits`` and ``headroom_bytes`` (usable memory less the row's ``peak_bytes``)."""
-    headroom = device.usable_bytes - int(row["peak_bytes"])
+    """``fits`` and ``headroom_bytes``: usable memory less the row's device peak.
+
+    The device peak is ``peak_bytes``, or, for a point that offloads, ``device_peak_bytes``
+    (its sharded state is in host memory).
+    """
+    headroom = device.usable_bytes - int(row.get("device_peak_bytes") or row["peak_bytes"])
     return {"fits": headroom >= 0, "headroom_bytes": headroom}

@@ -13,6 +13,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from strategy_bench._errors import BenchUsageError
+from strategy_bench.estimate._offload import (
+    HOST_OPTIMIZER_GBS,
+    host_link_bytes_per_s,
+    host_sources,
+)
 from strategy_bench.measure import PROBE_KINDS, datasheet_peak
 from strategy_bench.workload import checkpoint_mode, knob_key
 
@@ -108,6 +113,9 @@ class TimeModel:
         bf16_peak: The peak that ``bf16_rate`` is a share of (its MFU's denominator).
         optimizer_bytes_per_s: The memory bandwidth AdamW's step streams at, where no
             calibration measured it (``None``: the optimizer is not counted).
+        host_link_bytes_per_s: Offload's host-device copies (``None``: not counted).
+        host_optimizer_bytes_per_s: The host memory bandwidth an offloaded AdamW streams at
+            (``None``: the optimizer is timed as on the device).
         calibrated: Whether it comes from a run (``--calibrate``) rather than datasheets.
         bf16_rate: FLOP/s of a point that computes in bf16 under an fp32 run (FSDP's
             ``param_dtype``), from the datasheet's bf16 peak (``None``: as ``flops_rate``).
@@ -127,6 +135,8 @@ class TimeModel:
     bf16_peak: float | None = None
     optimizer_bytes_per_s: float | None = None
     calibrated: bool = False
+    host_link_bytes_per_s: float | None = None
+    host_optimizer_bytes_per_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """``env.time_model``: the links and rates used, and every source."""
@@ -207,8 +217,11 @@ def datasheet_model(
         bf16_rate=None if bf16 is None else bf16[0] * assumed_mfu,
         bf16_peak=None if bf16 is None else bf16[0],
         optimizer_bytes_per_s=memory,
+        host_link_bytes_per_s=host_link_bytes_per_s(gpu),
+        host_optimizer_bytes_per_s=HOST_OPTIMIZER_GBS * 1e9,
         gpus_per_node=gpus_per_node,
         sources={
+            **host_sources(gpu),
             "compute": f"{peak_source} x {mfu_text}; MFU counts no recompute, so a "
             "checkpointed step is predicted at the same MFU (published runs report it alike)",
             "optimizer": f"AdamW's 28 bytes per parameter (over the shard) at {gpu}'s "

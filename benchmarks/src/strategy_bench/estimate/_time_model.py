@@ -33,6 +33,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from strategy_bench.estimate._offload import host_copy_ms, host_optimizer_ms
 from strategy_bench.estimate._time_inputs import TimeModel, point_key
 from strategy_bench.measure import collective_seconds
 from strategy_bench.workload import checkpoint_mode, micro_steps, syncs_every_micro_step
@@ -140,6 +141,11 @@ def predict(
     compute, optimizer, source, peak = _compute_ms(row, model)
     if source is None:  # nothing to predict from: no step, rather than communication alone
         return {key: None for key in PREDICTED}
+    on_host = host_optimizer_ms(
+        row, optimizer, model.optimizer_bytes_per_s, model.host_optimizer_bytes_per_s
+    )
+    compute, optimizer = compute - optimizer + on_host, on_host
+    host_copy = host_copy_ms(row, model.host_link_bytes_per_s)
     per_micro = max(0.0, compute - optimizer) / micro
     share = FORWARD_SHARE
     if checkpoint_mode(knobs) == "full":  # the forward again, inside backward
@@ -174,7 +180,7 @@ def predict(
         hidden_total = _fsdp_exposed(comm, calls, knobs, forward, backward, micro, sizes, every)
     # What the step waits for, by collective and mesh dimension (each its share of the total).
     exposed = {key: hidden_total * value / total for key, value in comm.items()} if total else {}
-    step = compute + hidden_total
+    step = compute + hidden_total + host_copy
     if not step > 0:
         return {key: None for key in PREDICTED}
     samples = float(row["batch_size"])
@@ -191,6 +197,7 @@ def predict(
             "compute_source": source,
             "comm": comm,
             "exposed_comm": exposed,
+            "host_copy": host_copy,
         },
         "predicted_samples_per_s": samples * world / (step / 1e3),
         "predicted_tokens_per_s_per_gpu": samples * tokens / (step / 1e3) if tokens else None,

@@ -157,6 +157,23 @@ def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
     return local_bytes(optimizer_state_tensors(optimizer))
 
 
+def host_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's parameters, gradients and optimizer state in host memory.
+
+    What ``offload: cpu`` keeps there (pinned on CUDA); on a CPU run, all of it. A trainable
+    parameter's gradient is counted at the parameter's size whether or not it is held now
+    (the step frees it), on the parameter's side.
+    """
+    params = [p for p in model.parameters() if _local_device(p).type == "cpu"]
+    grads = [p for p in params if p.requires_grad]
+    state = [t for t in optimizer_state_tensors(optimizer) if _local_device(t).type == "cpu"]
+    return local_bytes(params) + local_bytes(grads) + local_bytes(state)
+
+
+def _local_device(tensor: torch.Tensor) -> torch.device:
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).device
+
+
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The optimizer's state tensors (AdamW: two moments and a step per parameter)."""
     return [

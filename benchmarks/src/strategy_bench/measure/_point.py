@@ -22,7 +22,13 @@ from distributed_strategy import (
     derive_seed,
 )
 from strategy_bench.measure import _wrappers
-from strategy_bench.measure._accounting import account, accumulate, autocast, parameter_counts
+from strategy_bench.measure._accounting import (
+    account,
+    accumulate,
+    autocast,
+    host_state_bytes,
+    parameter_counts,
+)
 from strategy_bench.measure._ckpt import checkpoint_cost
 from strategy_bench.measure._flops import count_step_flops, fake_flops_per_sample
 from strategy_bench.measure._memory import PeakMemory
@@ -30,9 +36,11 @@ from strategy_bench.measure._options import RunOptions
 from strategy_bench.measure._timing import local_ms, time_steps, timed_ms
 from strategy_bench.workload import (
     Workload,
+    compile_backend,
     compute_dtype,
     micro_steps,
     needs_compiler,
+    offloads,
     prepare_blocks,
     syncs_every_micro_step,
     training_optimizer,
@@ -238,6 +246,8 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    if compile_backend(point.knobs) is not None:  # the compile is paid at the first step
+        out["first_step_ms"] = timed_ms(step, device)[0]
     if out.get("flops_per_sample") is None:  # not countable on fake tensors: the real step
         out["flops_per_sample"] = count_step_flops(step) / (options.batch_size * micro)
 
@@ -245,6 +255,8 @@ def _steps(point: _Point, model: nn.Module, out: dict[str, Any]) -> None:
         out["step_ms"] = time_steps(step, steps=options.steps, warmup=options.warmup, device=device)
     out["peak_mem_bytes"] = memory.peak
     out["peak_reserved_bytes"] = memory.reserved
+    if offloads(point.strategy, point.knobs):
+        out["host_bytes"] = host_state_bytes(wrapped, optimizer)
     batch = [next(cycle) for _ in range(micro)]
     if device.type == "cuda":  # on a GPU the allocator's growth over the step is the figure
         with PeakMemory(device) as tracked:

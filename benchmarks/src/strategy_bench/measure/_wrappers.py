@@ -19,13 +19,14 @@ from distributed_strategy import (
     SUPPORTED_DISTRIBUTED_STRATEGIES,
     DistributedConfig,
     hsdp_mesh,
+    offload_policy,
     select_shard_targets,
     torch_dtype,
     wrap_module_ddp,
     wrap_module_fsdp,
 )
 from strategy_bench._errors import BenchUsageError
-from strategy_bench.workload import ddp_wrap_knobs, wrap_knobs
+from strategy_bench.workload import ddp_wrap_knobs, fsdp_wrap_knobs
 
 STRATEGIES = tuple(sorted(SUPPORTED_DISTRIBUTED_STRATEGIES))
 """What ``--strategies`` takes: DDP, FSDP, and HSDP (FSDP over a 2-D mesh, see
@@ -78,14 +79,13 @@ def ours(
     ``hsdp`` is HSDP's mesh shape when not :func:`hsdp_shape`'s (the estimate's nodes).
     ``made`` collects the process groups a cold wrap creates (the caller destroys them).
     """
-    knobs = wrap_knobs(knobs)
     if strategy == "ddp":
         kwargs: dict[str, Any] = _ddp_knobs(knobs)
         if group is not None:
             kwargs["process_group"] = group
         return wrap_module_ddp(module, device=device, **kwargs)
     mesh = _mesh(strategy, device, group, hsdp, made)
-    return wrap_module_fsdp(module, device=device, mesh=mesh, **knobs)
+    return wrap_module_fsdp(module, device=device, mesh=mesh, **fsdp_wrap_knobs(strategy, knobs))
 
 
 def raw(
@@ -98,7 +98,6 @@ def raw(
     made: list[dist.ProcessGroup] | None = None,
 ) -> nn.Module:
     """Wrap with plain torch, as a trainer without our packages would (``made``: see ours)."""
-    knobs = wrap_knobs(knobs)
     if strategy == "ddp":
         ids = {"device_ids": [device.index], "output_device": device.index}
         kwargs: dict[str, Any] = {**_ddp_knobs(knobs), "process_group": group}
@@ -107,15 +106,18 @@ def raw(
         with warnings.catch_warnings():  # torch 2.13's broadcast_buffers deprecation
             warnings.simplefilter("ignore", FutureWarning)
             return DistributedDataParallel(module, **kwargs)
+    fsdp = fsdp_wrap_knobs(strategy, knobs)
     policy = MixedPrecisionPolicy(
-        param_dtype=torch_dtype(knobs.get("param_dtype")),
-        reduce_dtype=torch_dtype(knobs.get("reduce_dtype")),
+        param_dtype=torch_dtype(fsdp.get("param_dtype")),
+        reduce_dtype=torch_dtype(fsdp.get("reduce_dtype")),
     )
-    reshard = bool(knobs.get("reshard_after_forward", True))
     mesh = _mesh(strategy, device, group, None, made)
-    for sub in select_shard_targets(module, None):
-        fully_shard(sub, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    reshard = bool(fsdp.get("reshard_after_forward", True))
+    host = offload_policy(device, fsdp["offload"])  # what a trainer passes for offload
+    for unit in (*select_shard_targets(module, None), module):
+        fully_shard(
+            unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=host
+        )
     return module
 
 

@@ -33,11 +33,13 @@ def sweep_points(bf16: bool, hsdp: bool = False) -> list[tuple[str, dict[str, An
         points.append(("fsdp", {"param_dtype": "bf16", "reduce_dtype": "fp32"}))
     points += [
         ("fsdp", {"activation_checkpointing": "full"}),
+        ("fsdp", {"offload": "cpu"}),
         ("ddp", {"compile": True}),
         ("fsdp", {"compile": True}),
         ("ddp", {"grad_accum": GRAD_ACCUM}),
         ("fsdp", {"grad_accum": GRAD_ACCUM}),
         ("ddp", {"activation_checkpointing": "full"}),
+        ("fsdp", {"activation_checkpointing": "selective"}),
         ("ddp", {"gradient_as_bucket_view": True}),
         *[("ddp", {"bucket_cap_mb": mb}) for mb in DDP_BUCKETS_MB if mb != 25],
         ("ddp", {"static_graph": True}),

@@ -103,9 +103,9 @@ def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     header = (
         "| model | strategy | knobs | step ms (p10-p90) | samples/s | MFU | params / grads / "
         "optimizer / DDP buckets / activations MiB per rank | comm MiB per step | "
-        "ckpt save / raw / load / async stall ms, median (range) |"
+        "ckpt save / raw / load / async stall ms, median (range) | compile s |"
     )
-    lines = [header, "|" + " --- |" * 9]
+    lines = [header, "|" + " --- |" * 10]
     for row in rows:
         knobs = knob_text(row.get("knobs"), ", ") or "-"
         mfu = row.get("mfu")
@@ -119,10 +119,12 @@ def _table(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             for kind, value in sorted((row.get("comm_bytes_per_step") or {}).items())
         )
         ckpt = _checkpoint_text(row)
+        compiled = row.get("compile_s")
         lines.append(
             f"| {row['model']} | {row['strategy']} | {knobs} | {row['step_ms_median']:.1f} "
             f"({row['step_ms_p10']:.1f}-{row['step_ms_p90']:.1f}) | {row['samples_per_s']:.1f} | "
-            f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {memory} | {comm or '-'} | {ckpt} |"
+            f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} | {memory} | {comm or '-'} | {ckpt} | "
+            f"{'-' if compiled is None else f'{compiled:.1f}'} |"
         )
     return lines
 

@@ -22,6 +22,7 @@ def summary_table(rows: Sequence[Mapping[str, Any]]) -> str:
         "init ms local/rank0",
         "peak MiB alloc/reserved",
         "MFU",
+        "compile s",
     )
     lines: list[tuple[str, ...]] = [header]
     for row in rows:
@@ -31,13 +32,14 @@ def summary_table(rows: Sequence[Mapping[str, Any]]) -> str:
             what = "out of memory" if row["status"] == OOM else "failed"
             lines.append(
                 (str(row["model"]), str(row["strategy"]), knobs, what)
-                + ("-",) * (len(header) - 6)
-                + ("-" if not reached else f"{reached / 2**20:.0f} reached", "-")
+                + ("-",) * (len(header) - 7)
+                + ("-" if not reached else f"{reached / 2**20:.0f} reached", "-", "-")
             )
             continue
         tokens = row.get("tokens_per_s")
         rank0 = row.get("init_rank0_ms")
         mfu = row.get("mfu")
+        compiled = row.get("compile_s")
         lines.append(
             (
                 str(row["model"]),
@@ -53,6 +55,7 @@ def summary_table(rows: Sequence[Mapping[str, Any]]) -> str:
                 f"{row['init_ms']:.0f}/" + ("-" if rank0 is None else f"{rank0:.0f}"),
                 f"{row['peak_mem_bytes'] / 2**20:.0f}/{budgeted(row) / 2**20:.0f}",
                 "-" if mfu is None else f"{100 * mfu:.1f}%",
+                "-" if compiled is None else f"{compiled:.1f}",
             )
         )
     return _render(lines)
@@ -76,9 +79,18 @@ def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
     unit, scale = byte_unit(largest)
     with_fits = any("fits" in row for row in rows)
     with_time = any(row.get("predicted_step_ms") for row in rows)
+    with_offload = any(row.get("host_bytes") is not None for row in rows)
 
     def size(value: float) -> str:
         return f"{value / scale:.2f}"
+
+    def offload(row: Mapping[str, Any]) -> tuple[str, ...]:
+        if not with_offload:
+            return ()
+        if row.get("host_bytes") is None:
+            return ("-",)
+        copies = row["offload_h2d_bytes_per_step"] + row["offload_d2h_bytes_per_step"]
+        return (f"{size(row['host_bytes'])}, {size(row['device_peak_bytes'])}, {size(copies)}",)
 
     def fits(row: Mapping[str, Any]) -> tuple[str, ...]:
         if not with_fits:
@@ -100,6 +112,7 @@ def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
         f"total {unit}",
         f"peak {unit}",
         *((f"fits (headroom {unit})",) if with_fits else ()),
+        *((f"offload: host, device peak, copies/step {unit}",) if with_offload else ()),
         f"comm {unit}/step",
         f"cross-node {unit}/step",
         "init host r0/others, device: local | rank0",
@@ -138,6 +151,7 @@ def estimate_table(rows: Sequence[Mapping[str, Any]]) -> str:
                 size(row["total_bytes"]),
                 size(row["peak_bytes"]) if row.get("peak_bytes") is not None else "-",
                 *fits(row),
+                *offload(row),
                 " ".join(f"{kind} {size(value)}" for kind, value in comm.items()) or "-",
                 size((row.get("comm_bytes_by_scope") or {}).get("inter_node", 0)),
                 init(row) or "-",

@@ -154,6 +154,7 @@ def merge_ranks(
         "wrap_cold_ms_all": cold,
         "raw_wrap_cold_ms_all": raw_cold,
         "step_ms_median": stats["median"],
+        "compile_s": _compile_s(per_rank, stats["median"]),
         "step_ms_p10": stats["p10"],
         "step_ms_p90": stats["p90"],
         "step_ms": steps,
@@ -162,6 +163,7 @@ def merge_ranks(
         "samples_per_s": samples_per_s,
         "tokens_per_s": None if tokens_per_sample is None else samples_per_s * tokens_per_sample,
         "peak_mem_bytes": max(r["peak_mem_bytes"] for r in per_rank),
+        "host_bytes": _max_or_none(per_rank, "host_bytes"),
         "peak_mem_per_rank": [r["peak_mem_bytes"] for r in per_rank],
         "peak_reserved_bytes": max(r["peak_reserved_bytes"] for r in per_rank),
         "peak_reserved_per_rank": [r["peak_reserved_bytes"] for r in per_rank],
@@ -193,6 +195,12 @@ def merge_ranks(
         "mfu_vs_matmul": achieved / matmul if achieved is not None and matmul else None,
     }
     return row
+
+
+def _compile_s(per_rank: Sequence[Mapping[str, Any]], step_ms: float) -> float | None:
+    """Seconds the first step took beyond a steady one (the compile), or ``None``."""
+    first = _max_or_none(per_rank, "first_step_ms")
+    return None if first is None else max(0.0, first - step_ms) / 1e3
 
 
 def _checkpoint_samples(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

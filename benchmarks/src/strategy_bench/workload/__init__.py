@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from distributed_strategy import CHECKPOINT_MODES, selective_kept
+from distributed_strategy import CHECKPOINT_MODES, OFFLOAD_MODES, selective_kept
 from strategy_bench.workload._knobs import (
     ACCUM_SYNC,
     checkpoint_mode,
+    compile_backend,
     compile_unavailable,
     compute_dtype,
     ddp_wrap_knobs,
+    fsdp_wrap_knobs,
     knob_key,
     micro_steps,
     needs_compiler,
+    offloads,
     prepare_blocks,
     recipe_for,
     step_knobs,
@@ -44,6 +47,7 @@ __all__ = [
     "CPU_DEFAULT_MODELS",
     "ESTIMATE_DEFAULT_MODELS",
     "GPU_DEFAULT_MODELS",
+    "OFFLOAD_MODES",
     "PRESETS",
     "BenchTransformer",
     "Preset",
@@ -51,14 +55,17 @@ __all__ = [
     "WorkloadSpec",
     "check_workload",
     "checkpoint_mode",
+    "compile_backend",
     "compile_unavailable",
     "compute_dtype",
     "ddp_wrap_knobs",
+    "fsdp_wrap_knobs",
     "knob_key",
     "load_callable",
     "micro_steps",
     "needs_compiler",
     "next_token_loss",
+    "offloads",
     "parse_init_params",
     "prepare_blocks",
     "preset_workload",

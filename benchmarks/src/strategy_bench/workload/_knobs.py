@@ -18,6 +18,7 @@ from distributed_strategy import (
     CHECKPOINT_MODES,
     apply_block_recipe,
     normalize_checkpointing,
+    normalize_offload,
     select_shard_targets,
 )
 from strategy_bench._errors import BenchUsageError, error_summary
@@ -50,6 +51,20 @@ def checkpoint_mode(knobs: Mapping[str, Any]) -> str | None:
             f"activation_checkpointing must be one of {', '.join(CHECKPOINT_MODES)}, got {value!r}"
         ) from None
     return None if mode == "none" else mode
+
+
+def offloads(strategy: str, knobs: Mapping[str, Any]) -> bool:
+    """Whether a point keeps its sharded state in host memory (``offload: cpu``).
+
+    Raises:
+        BenchUsageError: For a value that is not ``none`` or ``cpu``, or ``cpu`` under DDP
+            (strategy-config's rule and message).
+    """
+    try:
+        mode = normalize_offload(knobs.get("offload"), path="offload", strategy=strategy)
+    except (TypeError, ValueError) as error:
+        raise BenchUsageError(str(error)) from None
+    return mode == "cpu"
 
 
 def knob_key(knobs: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -89,18 +104,31 @@ def recipe_for(strategy: str, recipe: Mapping[str, Any]) -> dict[str, Any]:
     """The knobs a recipe gives ``strategy``'s point.
 
     FSDP and HSDP take every knob. DDP takes ``param_dtype`` (bf16: autocast, see
-    :func:`compute_dtype`) and the step's knobs, not ``reduce_dtype``: DDP all-reduces its
-    fp32 gradients in fp32.
+    :func:`compute_dtype`) and the step's knobs, not ``reduce_dtype`` (DDP all-reduces its
+    fp32 gradients in fp32) nor ``offload`` (a whole replica per device: nothing to offload).
     """
     knobs = dict(recipe)
     if strategy == "ddp":
         knobs.pop("reduce_dtype", None)
+        knobs.pop("offload", None)
     return knobs
 
 
 def ddp_wrap_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
-    """The wrapper's knobs for DDP: FSDP's mixed-precision policy left out."""
+    """The wrapper's knobs for DDP: FSDP's mixed-precision policy left out.
+
+    Raises:
+        BenchUsageError: For ``offload: cpu`` (named by strategy-config's rule).
+    """
+    offloads("ddp", knobs)
     return {key: value for key, value in wrap_knobs(knobs).items() if key not in _FSDP_ONLY}
+
+
+def fsdp_wrap_knobs(strategy: str, knobs: Mapping[str, Any]) -> dict[str, Any]:
+    """The wrapper's knobs for FSDP and HSDP: ``offload`` as ``wrap_module_fsdp`` takes it."""
+    wrapped = wrap_knobs(knobs)
+    wrapped.pop("offload", None)
+    return {**wrapped, "offload": offloads(strategy, knobs)}
 
 
 ACCUM_SYNC = ("last", "every")

@@ -36,8 +36,10 @@ _REPLACED: dict[int, weakref.ref[torch.Tensor]] = {}
 """The parameters a wrap replaced (and that something still holds), by ``id``. Not a
 ``WeakSet``: its lookups compare tensors with ``==``, which is elementwise."""
 
-_OFFLOADED: dict[int, weakref.ref[torch.Tensor]] = {}
-"""The parameters a wrap with ``offload=True`` left in host memory, by ``id``."""
+_OFFLOADED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""The modules a wrap with ``offload=True`` left in host memory. Modules, not parameters: a
+weak reference to a tensor makes ``torch.utils.swap_tensors`` refuse it, and with it a later
+``to_empty`` or ``_apply`` of the model (measured: "Couldn't swap Embedding.weight")."""
 
 _CHECKED: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
 """Optimizers checked since the last wrap that replaced parameters, by ``id`` (an optimizer
@@ -86,29 +88,21 @@ def remember_offloaded(module: nn.Module) -> None:
     An optimizer holding them is checked for device-resident state at its next step.
     """
     with _LOCK:
-        for param in module.parameters():
-            _OFFLOADED[id(param)] = weakref.ref(param, _forget(id(param), _OFFLOADED))
+        _OFFLOADED.add(module)
         _CHECKED.clear()
     _enable_hook(True)
 
 
-def _forget(key: int, table: dict[int, weakref.ref[torch.Tensor]] | None = None) -> Any:
-    held = _REPLACED if table is None else table
-
+def _forget(key: int) -> Any:
     def forget(ref: weakref.ref[torch.Tensor]) -> None:
-        if held.get(key) is ref:
-            del held[key]
+        if _REPLACED.get(key) is ref:
+            del _REPLACED[key]
 
     return forget
 
 
 def _is_replaced(param: torch.Tensor) -> bool:
     ref = _REPLACED.get(id(param))
-    return ref is not None and ref() is param
-
-
-def _is_offloaded(param: torch.Tensor) -> bool:
-    ref = _OFFLOADED.get(id(param))
     return ref is not None and ref() is param
 
 
@@ -119,8 +113,10 @@ def _check_offloaded(optimizer: torch.optim.Optimizer) -> None:
         ValueError: Naming the group and the option, or the state on another device.
     """
     name = type(optimizer).__name__
+    with _LOCK:
+        held = {id(param) for module in list(_OFFLOADED) for param in module.parameters()}
     for index, group in enumerate(optimizer.param_groups):
-        offloaded = [param for param in group["params"] if _is_offloaded(param)]
+        offloaded = [param for param in group["params"] if id(param) in held]
         if not offloaded:
             continue
         if group.get("capturable"):

@@ -11,7 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import (
+    DEFAULT_SUFFIX,
+    FileSystem,
+    FileSystemWriter,
+)
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
@@ -137,9 +141,14 @@ class _HashingFileSystem(FileSystem):
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
-        """DCP's stream; one opened to write is hashed once complete."""
+        """DCP's stream; a data file opened to write is hashed once complete.
+
+        Not ``.metadata`` (written as ``.metadata.tmp``, then renamed): it is hashed once
+        published, and is small.
+        """
         with super().create_stream(path, mode) as stream:
-            yield stream if mode != "wb" else _Positions(stream, Path(path), self._start)
+            data = mode == "wb" and Path(path).suffix == DEFAULT_SUFFIX
+            yield _Positions(stream, Path(path), self._start) if data else stream
 
     def _start(self, path: Path, spans: Spans) -> None:
         future = _SUMMING.submit(file_entry, path, spans)
