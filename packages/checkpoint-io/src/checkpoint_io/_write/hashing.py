@@ -127,7 +127,7 @@ _TABLE = MetadataIndex("checkpoint_io.file_table", offset=(-1,))
 
 
 class _HashingFileSystem(FileSystem):
-    """DCP's local file system; each file it writes is hashed as soon as it is complete.
+    """DCP's local file system; each data file it writes is hashed as soon as it is complete.
 
     DCP asks for the position before and after each record it writes (its offset and
     length) and for the file's descriptor once the last record is written, to flush it to
@@ -167,7 +167,7 @@ class _HashingFileSystem(FileSystem):
 class _Positions:
     """A stream DCP writes, keeping the bounds of what was written between positions asked."""
 
-    def __init__(self, stream: Any, path: Path, complete: Any) -> None:
+    def __init__(self, stream: Any, path: Path, complete: Callable[[Path, Spans], None]) -> None:
         self._stream = stream
         self._path = path
         self._complete = complete
