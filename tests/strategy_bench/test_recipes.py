@@ -163,7 +163,7 @@ def test_offload_moves_the_sharded_state_to_the_host_and_costs_its_copies(
     gradient shard out once); the step costs the copies at the H100's PCIe rate and the
     optimizer at the host's bandwidth. DDP has nothing to offload: its row is the plain one.
     --compile is refused by the estimate by name."""
-    from strategy_bench.estimate._offload import HOST_LINK_EFFICIENCY, HOST_OPTIMIZER_GBS
+    from strategy_bench.estimate._time_inputs import HOST_LINK_EFFICIENCY, HOST_OPTIMIZER_GBS
 
     plain = {row["strategy"]: row for row in _estimate(tmp_path, "plain")}
     offloaded = {row["strategy"]: row for row in _estimate(tmp_path, "cpu", "--offload", "cpu")}

@@ -19,27 +19,6 @@ from typing import Any
 
 from strategy_bench.workload import micro_steps, offloads, syncs_every_micro_step
 
-DATASHEET_HOST_LINK_GBS: dict[str, float] = {
-    "B200": 64.0,
-    "H200": 64.0,
-    "H100": 64.0,
-    "A100-80GB": 32.0,
-    "A100-40GB": 32.0,
-    "L40S": 32.0,
-    "A10G": 32.0,
-    "L4": 32.0,
-}
-"""Host link per GPU, GB/s each way (datasheets): PCIe 5.0 x16 for Hopper and Blackwell,
-PCIe 4.0 x16 for Ampere and Ada."""
-
-HOST_LINK_EFFICIENCY = 0.8
-"""The share of the link's rate that pinned copies reach (assumed: 50-55 GB/s measured of
-PCIe 5.0's 64 is what copy benchmarks on H100 hosts commonly report)."""
-
-HOST_OPTIMIZER_GBS = 50.0
-"""Host memory bandwidth per rank that a fused CPU AdamW step streams at, GB/s (assumed: a
-two-socket host's 400-600 GB/s of DRAM bandwidth shared by 8 GPUs, at about two thirds)."""
-
 
 def offload_fields(
     strategy: str, knobs: Mapping[str, Any], row: Mapping[str, Any]
@@ -95,24 +74,3 @@ def host_optimizer_ms(
     if not (offloaded and device_bytes_per_s and host_bytes_per_s):
         return optimizer_ms
     return optimizer_ms * device_bytes_per_s / host_bytes_per_s
-
-
-def host_link_bytes_per_s(gpu: str) -> float | None:
-    """The pinned-copy rate of ``gpu``'s host link, bytes/s (``None``: not in the table)."""
-    gbs = DATASHEET_HOST_LINK_GBS.get(gpu)
-    return None if gbs is None else gbs * HOST_LINK_EFFICIENCY * 1e9
-
-
-def host_sources(gpu: str) -> dict[str, str]:
-    """Where the offload rates come from (``env.time_model.sources``)."""
-    link = DATASHEET_HOST_LINK_GBS.get(gpu)
-    return {
-        "host_link": (
-            "no host link known for this GPU: offload's copies not counted"
-            if link is None
-            else f"datasheet: {gpu} {link:g} GB/s each way x {HOST_LINK_EFFICIENCY:g} "
-            "(pinned copies, assumed); H2D and D2H summed, all exposed (the bound)"
-        ),
-        "host_optimizer": f"offload: AdamW on the host at {HOST_OPTIMIZER_GBS:g} GB/s per "
-        "rank (assumed: a two-socket host's DRAM bandwidth shared by 8 GPUs)",
-    }

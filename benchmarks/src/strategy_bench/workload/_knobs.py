@@ -95,9 +95,10 @@ def compute_dtype(strategy: str | None, knobs: Mapping[str, Any], dtype: str) ->
     return dtype
 
 
-_FSDP_ONLY = ("param_dtype", "reduce_dtype")
-"""FSDP's mixed-precision policy: DDP has none (its bf16 recipe is autocast, see
-:func:`compute_dtype`; its gradients are all-reduced in the parameters' dtype)."""
+_FSDP_ONLY = ("param_dtype", "reduce_dtype", "offload")
+"""FSDP's mixed-precision policy and offload: DDP has none (its bf16 recipe is autocast, see
+:func:`compute_dtype`; its gradients are all-reduced in the parameters' dtype; a whole
+replica per device has nothing to offload)."""
 
 
 def recipe_for(strategy: str, recipe: Mapping[str, Any]) -> dict[str, Any]:
@@ -115,7 +116,7 @@ def recipe_for(strategy: str, recipe: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def ddp_wrap_knobs(knobs: Mapping[str, Any]) -> dict[str, Any]:
-    """The wrapper's knobs for DDP: FSDP's mixed-precision policy left out.
+    """The wrapper's knobs for DDP: FSDP's mixed-precision policy and offload left out.
 
     Raises:
         BenchUsageError: For ``offload: cpu`` (named by strategy-config's rule).

@@ -9,7 +9,7 @@ import os
 import shutil
 import signal
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,18 +77,22 @@ def _side_files(
     """This rank's RNG and stateful files, flushed to the disk, with their entries."""
     files: FileTable = {}
     if rng_state is not None:
-        name = f"{RNG_DIR}/rank{rank()}.pt"
-        (partial / RNG_DIR).mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state, partial / name)
-        fsync_file(partial / name)
-        files.update(hash_files(partial, [name]))
+        files.update(
+            _side_file(partial, f"{RNG_DIR}/rank{rank()}.pt", lambda f: torch.save(rng_state, f))
+        )
     if parts is not None and parts.writes_file(rank()):
-        name = stateful_file(rank())
-        (partial / name).parent.mkdir(parents=True, exist_ok=True)
-        (partial / name).write_bytes(parts.blob)
-        fsync_file(partial / name)
-        files.update(hash_files(partial, [name]))
+        files.update(
+            _side_file(partial, stateful_file(rank()), lambda f: f.write_bytes(parts.blob))
+        )
     return files
+
+
+def _side_file(partial: Path, name: str, write: Callable[[Path], object]) -> FileTable:
+    """Write ``partial / name`` with ``write``, flush it to the disk; its entry."""
+    (partial / name).parent.mkdir(parents=True, exist_ok=True)
+    write(partial / name)
+    fsync_file(partial / name)
+    return hash_files(partial, [name])
 
 
 def _test_kill(target: Path) -> None:
@@ -107,24 +111,6 @@ def _seal(partial: Path, target: Path, manifest: dict[str, Any], tables: list[Fi
     fsync_file(partial / MANIFEST)
     fsync_tree(partial)  # every file's directory entry, then the rename
     _publish(partial, target)
-
-
-def begin(
-    path: object,
-    model: object,
-    optimizer: object,
-    step: object,
-    extra: object,
-    stateful: object,
-) -> Path:
-    """Check the arguments and settle a save still in flight (no collective).
-
-    Returns:
-        The checkpoint directory.
-    """
-    target = _check_arguments(path, model, optimizer, step, extra, stateful)
-    settle_in_flight()
-    return target
 
 
 def claim(target: Path) -> tuple[bool, str]:
@@ -164,7 +150,7 @@ def _publish(partial: Path, target: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _check_arguments(
+def begin(
     path: object,
     model: object,
     optimizer: object,
@@ -172,6 +158,14 @@ def _check_arguments(
     extra: object,
     stateful: object,
 ) -> Path:
+    """Check the arguments and settle a save still in flight (no collective).
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        TypeError: An argument of the wrong type, named with its value.
+    """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} ({path!r})")
     if not isinstance(model, nn.Module):
@@ -193,4 +187,5 @@ def _check_arguments(
                 "store tensors and other objects through stateful= instead"
             ) from None
     check_stateful(stateful)
+    settle_in_flight()
     return Path(os.fspath(path))
