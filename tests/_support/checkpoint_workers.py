@@ -99,12 +99,22 @@ def optimizer_snapshot(optimizer: torch.optim.Optimizer) -> list[Any]:
     return out
 
 
+class TwoPartError(Exception):
+    """An error that cannot be rebuilt from its pickle (its ``__init__`` takes two parts)."""
+
+    def __init__(self, what: str, where: str) -> None:
+        super().__init__(f"{what} at {where}")
+
+
 class Exploding:
     """A stateful object whose state_dict fails on rank 1 only."""
 
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error or OSError("disk quota exceeded (simulated on rank 1)")
+
     def state_dict(self) -> dict[str, Any]:
         if dist.get_rank() == 1:
-            raise OSError("disk quota exceeded (simulated on rank 1)")
+            raise self.error
         return {"x": 1}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -180,6 +190,18 @@ def everything(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     except Exception as error:
         out["failed_save"] = f"{type(error).__name__}: {error}"
     dist.barrier()
+    for case, kwargs in (  # an error that does not unpickle; rank 0's refusal to overwrite
+        ("two_part", {"stateful": {"boom": Exploding(TwoPartError("lost", "rank 1"))}}),
+        ("exists", {"overwrite": False}),
+    ):
+        try:
+            save_checkpoint(
+                root / "ddp-2", ref, opt, overwrite=kwargs.pop("overwrite", True), **kwargs
+            )
+            out[f"failed_save_{case}"] = "no error"
+        except Exception as error:
+            out[f"failed_save_{case}"] = f"{type(error).__name__}: {error}"
+        dist.barrier()
     out["after_failed_save"] = sorted(p.name for p in root.iterdir()) == before
     probe = build("ddp", seed=1)
     load_checkpoint(root / "ddp-2", probe)  # still loads, verified

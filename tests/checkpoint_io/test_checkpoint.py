@@ -70,7 +70,20 @@ def test_failed_save_raises_everywhere_and_keeps_the_old(two_ranks: Any) -> None
     assert results[0]["failed_save"].startswith(
         "CheckpointError: collecting the state to save failed on rank(s) [1]"
     )
+    # No collective of checkpoint-io's own: the failures travel in DCP's plans, as data, so
+    # an error that cannot be pickled back reaches every rank too (it hung the other rank
+    # when it travelled as the exception object), and rank 0's refusal is raised everywhere.
+    assert results[1]["failed_save_two_part"] == "TwoPartError: lost at rank 1"
+    assert results[0]["failed_save_two_part"] == (
+        "CheckpointError: collecting the state to save failed on rank(s) [1]; rank 1: lost at "
+        "rank 1"
+    )
+    assert results[0]["failed_save_exists"].startswith("FileExistsError: '")
+    assert results[1]["failed_save_exists"].startswith(
+        "FileExistsError: collecting the state to save failed on rank(s) [0]; rank 0: '"
+    )
     for rank in results:
+        assert "already exists; pass overwrite=True" in rank["failed_save_exists"]
         assert rank["after_failed_save"] is True  # no partial directory, old one intact
         assert rank["old_still_loads"] is True
 
@@ -629,6 +642,7 @@ def test_the_writer_writes_on_this_ranks_device(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+    from checkpoint_io._write.claim import SaveClaim
     from checkpoint_io._write.hashing import HashingWriter
     from fake_accelerator import FakeAccelerator, patch_device_module
 
@@ -642,7 +656,8 @@ def test_the_writer_writes_on_this_ranks_device(
             return super().resolve_data(write_item)
 
     def save(device: torch.device | None, folder: Path) -> None:
-        writer = HashingWriter(folder, dict, lambda tables: None, device=device)
+        claim = SaveClaim(folder, overwrite=True, partial=folder)
+        writer = HashingWriter(claim, list, lambda tables: None, device=device)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.save({"w": torch.ones(3)}, storage_writer=writer, planner=Recording(), no_dist=True)

@@ -588,6 +588,37 @@ def test_the_digests_recorded_as_written_are_those_of_the_files(tmp_path: Path) 
     assert system.hashed(path / name, spans).result() == file_entry(path / name, spans)
 
 
+def test_a_file_entry_is_the_digest_of_the_bytes_and_of_each_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one-pass hashing (each piece fed to the file's digest and its record's) gives
+    what hashing the bytes gives: across mapping windows and pieces, for gaps between
+    records, a record overlapping the one before, and none for a record past the end."""
+    import os
+
+    import xxhash
+
+    from checkpoint_io._format import digest
+
+    data = os.urandom(3_000_000)
+    (tmp_path / "f").write_bytes(data)
+    spans = [(0, 100), (100, 1_500_000), (1_500_050, 100), (1_500_100, 10), (2_000_000, 999_999)]
+    spans.append((2_999_999, 5))  # past the end: no digest
+    expected = {
+        "bytes": len(data),
+        "xxh3_128": xxhash.xxh3_128(data).hexdigest(),
+        "records": [
+            [offset, length, xxhash.xxh3_128(data[offset : offset + length]).hexdigest()]
+            for offset, length in sorted(spans)
+            if offset + length <= len(data)
+        ],
+    }
+    assert digest.file_entry(tmp_path / "f", spans) == expected
+    monkeypatch.setattr(digest, "_WINDOW", 1 << 20)
+    monkeypatch.setattr(digest, "_PIECE", 4096 * 3)
+    assert digest.file_entry(tmp_path / "f", spans) == expected
+
+
 def test_names_reach_the_terminal_escaped_and_buffers_nest_one_level(tmp_path: Path) -> None:
     """Issue 51 (8, 4): a key with terminal control bytes is printed escaped by inspect; a
     byte buffer inside a byte buffer is refused (K buffers D deep made K^D loads)."""

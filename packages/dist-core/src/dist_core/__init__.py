@@ -7,7 +7,7 @@ file is opened and how a written one is made durable.
 
 from __future__ import annotations
 
-from dist_core._agree import agree
+from dist_core._agree import agree, agreed_error
 from dist_core._checks import check_forward_methods, check_wrap_preconditions
 from dist_core._devices import (
     DeviceLike,
@@ -19,7 +19,14 @@ from dist_core._devices import (
 )
 from dist_core._durable import fsync_dir, fsync_file, fsync_tree, make_dirs
 from dist_core._files import open_regular, read_regular
-from dist_core._group import is_distributed, log_rank0, rank, require_process_group, world_size
+from dist_core._group import (
+    bound_device,
+    is_distributed,
+    log_rank0,
+    rank,
+    require_process_group,
+    world_size,
+)
 from dist_core._init import DEFAULT_TIMEOUT, init_distributed, names_nccl
 from dist_core._launch import Launch, detect_launch, expand_nodelist, slurm_port
 from dist_core._memory import MemoryPeak, current_rss
@@ -40,6 +47,8 @@ __all__ = [
     "Strategy",
     "accelerator_type",
     "agree",
+    "agreed_error",
+    "bound_device",
     "check_forward_methods",
     "check_wrap_preconditions",
     "current_rss",

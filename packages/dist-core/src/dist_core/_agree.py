@@ -8,7 +8,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dist_core._devices import on_device
-from dist_core._group import is_distributed
+from dist_core._group import bound_device, is_distributed
 
 
 def agree(
@@ -46,15 +46,36 @@ def agree(
     reports: list[Any] = [None] * dist.get_world_size(group)
     # Under NCCL the object gather stages on the current device; the failure being reported
     # may be that the current device is the wrong one, so the group's own device is entered.
-    bound = getattr(group if group is not None else dist.group.WORLD, "bound_device_id", None)
-    with on_device(bound):
+    with on_device(bound_device(group)):
         dist.all_gather_object(reports, (report, share), group=group)
     if error is not None:
         raise error
-    failed = [(r, rep) for r, (rep, _) in enumerate(reports) if rep is not None]
+    failed = {r: rep for r, (rep, _) in enumerate(reports) if rep is not None}
     if failed:
-        first, (kind, message) = failed[0]
-        raise (kinds or {}).get(kind, default)(
-            f"{what} failed on rank(s) {[r for r, _ in failed]}; rank {first}: {message}"
-        )
+        raise agreed_error(what, failed, kinds=kinds, default=default)
     return [shared for _, shared in reports]
+
+
+def agreed_error(
+    what: str,
+    failed: Mapping[int, tuple[str, str]],
+    *,
+    kinds: Mapping[str, type[Exception]] | None = None,
+    default: type[Exception] = RuntimeError,
+) -> Exception:
+    """What a rank that did not fail raises when others did (:func:`agree`'s message).
+
+    Args:
+        what: The work, for the message.
+        failed: ``rank -> (exception type name, message)`` of each failing rank.
+        kinds: Exception type names raised as themselves.
+        default: The type raised otherwise.
+
+    Returns:
+        The exception: ``"<what> failed on rank(s) [..]; rank <first>: <its message>"``.
+    """
+    first = min(failed)
+    kind, message = failed[first]
+    return (kinds or {}).get(kind, default)(
+        f"{what} failed on rank(s) {sorted(failed)}; rank {first}: {message}"
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -29,6 +30,19 @@ def require_process_group(caller: str, *, instead: str = "") -> None:
             f"{caller} requires an initialized process group; call "
             "torch.distributed.init_process_group() (e.g. under torchrun) first" + tail
         )
+
+
+def bound_device(group: dist.ProcessGroup | None = None) -> torch.device | None:
+    """The device ``group`` (``None``: the default group) was bound to, or ``None``.
+
+    ``init_process_group(device_id=...)`` binds the default group to this rank's device; an
+    object collective under NCCL stages on the current device, which must then be that one
+    (a rank whose current device is wrong would otherwise hang or fail in it).
+    """
+    if not is_distributed():
+        return None
+    bound = getattr(group if group is not None else dist.group.WORLD, "bound_device_id", None)
+    return bound if isinstance(bound, torch.device) else None
 
 
 def rank() -> int:

@@ -43,6 +43,9 @@ _BLOCK = 64 << 10  # wsum64: bytes summed together; the blocks' sums are weighte
 
 
 _WINDOW = 256 << 20  # bytes mapped at a time (a multiple of _BLOCK and of the page size)
+_PIECE = 256 << 10  # bytes hashed into a record's digest and the file's while in the cache
+
+Spans = list[tuple[int, int]]  # (offset, length) of a data file's records, by offset
 
 
 _WORD = np.dtype("<u8")
@@ -59,7 +62,8 @@ def file_entry(file: Path, records: Iterable[tuple[int, int]] = ()) -> dict[str,
 
     One pass: the file is mapped a window at a time (prefaulted, no copy out of the page
     cache), each window stretched to the end of the last record that starts in it, so that
-    the file's digest and every record's come from the same mapping.
+    the file's digest and every record's come from the same mapping, each byte read from
+    memory once.
 
     Args:
         file: The file.
@@ -85,17 +89,47 @@ def file_entry(file: Path, records: Iterable[tuple[int, int]] = ()) -> dict[str,
                 ) as mapped,
                 memoryview(mapped) as view,
             ):
-                with view[start - base : end - base] as part:
-                    digest.update(part)
-                for offset, length in spans[first:last]:
-                    if offset + length <= size:
-                        with view[offset - base : offset + length - base] as part:
-                            found.append([offset, length, record_digest(part)])
+                found += _hash_window(view, base, start, end, spans[first:last], digest)
             start, first = end, last
     entry: dict[str, Any] = {"bytes": size, ALGORITHM: digest.hexdigest()}
     if spans:
         entry[RECORDS] = found
     return entry
+
+
+def _hash_window(
+    view: memoryview, base: int, start: int, end: int, spans: Spans, digest: Any
+) -> list[list[Any]]:
+    """Feed ``[start, end)`` of the file (mapped from ``base``) to ``digest``; the records'.
+
+    Each byte is read from memory once: a record is hashed a piece at a time into its own
+    digest and the file's while the piece is in the cache. A record that overlaps the one
+    before (never written so by DCP) is hashed on its own; one past the end has no digest.
+    """
+    found: list[list[Any]] = []
+    position = start
+    for offset, length in spans:
+        stop = offset + length
+        if stop > end:
+            continue
+        if offset < position:
+            with view[offset - base : stop - base] as part:
+                found.append([offset, length, record_digest(part)])
+            continue
+        _feed(view, base, position, offset, digest)
+        record = xxhash.xxh3_128()
+        _feed(view, base, offset, stop, digest, record)
+        found.append([offset, length, str(record.hexdigest())])
+        position = stop
+    _feed(view, base, position, end, digest)
+    return found
+
+
+def _feed(view: memoryview, base: int, start: int, stop: int, *hashers: Any) -> None:
+    for at in range(start, stop, _PIECE):
+        with view[at - base : min(stop, at + _PIECE) - base] as piece:
+            for hasher in hashers:
+                hasher.update(piece)
 
 
 def record_digest(data: bytes | memoryview) -> str:

@@ -44,7 +44,8 @@ class StatefulParts:
         blob: This rank's per-rank states (``{name: state with markers}``), serialized.
         digests: Per object, the digest of this rank's per-rank state.
         classes: Per object, its class.
-        everyone: Every rank's ``digests``, by rank (set once the ranks agreed).
+        everyone: Every rank's ``digests``, by rank, once the ranks settled (on rank 0; a
+            synchronous save gives the other ranks rank 0's alone).
     """
 
     sharded: dict[str, dict[str, DTensor]]
@@ -54,8 +55,8 @@ class StatefulParts:
     everyone: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
     def writes_file(self, rank: int) -> bool:
-        """Whether ``rank`` writes its file: rank 0 always, another when its state differs."""
-        return rank == 0 or self.everyone[rank] != self.everyone[0]
+        """Whether ``rank`` (this one) writes its file: rank 0 always, another if it differs."""
+        return rank == 0 or self.digests != self.everyone[0]
 
     def manifest(self) -> dict[str, Any]:
         """``checkpoint.json``'s ``stateful_state``: class, sharded keys, per-rank digests."""

@@ -23,6 +23,7 @@ from checkpoint_io._compat import CheckpointException, dcp_failure
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.manifest import PathLike
 from checkpoint_io._state.model import model_device
+from checkpoint_io._write.claim import SaveClaim, claim_now
 from checkpoint_io._write.inflight import PendingCheckpoint, track
 from checkpoint_io._write.publish import begin, publishing_writer
 from checkpoint_io._write.save import collect_state, new_manifest
@@ -91,21 +92,23 @@ def start_async_save(
     """
     target = begin(path, model, optimizer, step, extra, stateful)
     started = time.perf_counter()
-    rng_state = None
-
-    def staged(state: dict[str, Any]) -> dict[str, Any]:
-        nonlocal rng_state
+    state: dict[str, Any] = {}
+    parts = rng_state = failure = None
+    try:  # collected and staged, then agreed: a failure on any rank raises everywhere
+        state, parts = collect_state(model, optimizer, stateful)
         rng_state = capture_rng_state(model_device(model)) if rng else None
-        return stage(state)  # host copies, off the tensors training will change
-
-    # collected and staged in one agreement: a failure on any rank raises everywhere
-    state, parts, partial = collect_state(
-        model, optimizer, stateful, target, overwrite, prepare=staged
-    )
+        state = stage(state)  # host copies, off the tensors training will change
+    except Exception as error:
+        failure = error
+    partial = claim_now(target, overwrite, failure, parts)
     manifest = new_manifest(model, optimizer, step, extra, parts, rng)
     group = gloo_group("background")
     writer = publishing_writer(
-        partial, target, manifest, rng_state, parts, device=model_device(model), host_only=True
+        SaveClaim(target, overwrite, manifest=manifest, partial=partial),
+        rng_state,
+        parts,
+        device=model_device(model),
+        host_only=True,
     )
     quiet_single_process_notice_in_background()
     with single_process_quiet():

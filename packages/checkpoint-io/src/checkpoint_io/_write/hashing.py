@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Generator, Iterable, Mapping
@@ -21,10 +22,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from checkpoint_io._format.digest import FileTable, file_entry
-from dist_core import on_device
-
-Spans = list[tuple[int, int]]  # (offset, length) of the records of one file
+from checkpoint_io._format.digest import FileTable, Spans, file_entry
+from checkpoint_io._write.claim import SaveClaim, Settled
+from dist_core import fsync_file, on_device
 
 
 def hash_files(
@@ -41,27 +41,31 @@ class HashingWriter(FileSystemWriter):
     Each data file's entry also holds the digest of each record in it (``records``): a
     rank that loads a few records of a file checks them without reading the rest.
 
-    The file tables ride on DCP's own commit: each rank writes its ``side_files`` first (so
-    that DCP's flush of the data commits them too), then its data files, and hands the
+    The file tables ride on DCP's own commit: each rank writes its ``side_files`` (flushed
+    to the disk in the hashing thread while DCP writes) and its data files, and hands the
     entries to DCP with its write results; the coordinator (rank 0), once DCP has written
     ``.metadata``, calls ``publish`` with every rank's table. A failure there, or on any rank
-    before, is raised by DCP on every rank. So a save adds no collective of its own after the
-    state is collected.
+    before, is raised by DCP on every rank. So a save adds no collective of its own.
 
     A file is hashed in a thread from the moment DCP has written its last byte and asks for
     it to be flushed to the disk (:class:`_HashingFileSystem`): the hashing reads the page
     cache while the rank waits for the disk, so a save costs little more than DCP's own. A
     file whose records DCP did not write where they were expected (another torch could
-    write otherwise) is hashed again once its records are known. :attr:`files` waits.
+    write otherwise) is hashed again once its records are known.
 
     DCP may call :meth:`write_data` from a thread of its own (a background save), where the
     current CUDA device is 0 whatever the rank: DCP's copying loader takes that device's
     current stream. The writer enters ``device`` (this rank's) around the write. A state
     staged on the host (``host_only``) is written without DCP's device loader at all.
 
+    Where it writes is settled in DCP's planning (:class:`SaveClaim`): each rank's local
+    plan carries its share (or raises its failure), the coordinator claims the temporary
+    directory, and each final plan brings it back.
+
     Args:
-        path: The directory written.
-        side_files: Writes this rank's other files (RNG, stateful) and returns their entries.
+        claim: The save's claim: the checkpoint directory and what the ranks settle.
+        side_files: Writes this rank's other files (RNG, stateful) and returns their names
+            (relative to the directory): the writer flushes and hashes them.
         publish: Publishes the checkpoint on the coordinator, given every rank's file table
             (by rank).
         device: This rank's device (the model's); ``None`` or CPU: nothing to enter.
@@ -71,8 +75,8 @@ class HashingWriter(FileSystemWriter):
 
     def __init__(
         self,
-        path: Path,
-        side_files: Callable[[], FileTable],
+        claim: SaveClaim,
+        side_files: Callable[[], list[str]],
         publish: Callable[[list[FileTable]], None],
         *,
         device: torch.device | None = None,
@@ -81,23 +85,63 @@ class HashingWriter(FileSystemWriter):
     ) -> None:
         # per_thread_copy_ahead=0 makes DCP copy with its serial loader, which leaves host
         # tensors as they are and touches no device stream.
-        super().__init__(str(path), per_thread_copy_ahead=0 if host_only else 10_000_000)
-        self.root = path
+        super().__init__(str(claim.target), per_thread_copy_ahead=0 if host_only else 10_000_000)
+        self.claim = claim
+        self.root = claim.target  # the temporary directory once the plans are settled
         self.device = device
         self.fs: _HashingFileSystem = _HashingFileSystem()
         self._side_files = side_files
         self._publish = publish
         self._written = written
 
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """This rank's plan, carrying its share of the claim (its failure, as data)."""
+        return dataclasses.replace(plan, storage_data=_Share(self.claim.local()))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """On the coordinator: the claim settled; each plan gets DCP's file prefix and it.
+
+        DCP's plan caching (off unless a planner turns it on; checkpoint-io's never does)
+        would hand a later save this save's answer.
+        """
+        shares = [getattr(plan.storage_data, "value", (None, None)) for plan in plans]
+        settled = self.claim.settle(shares)
+        plans = super().prepare_global_plan(
+            [dataclasses.replace(plan, storage_data=None) for plan in plans]
+        )
+        return [
+            dataclasses.replace(plan, storage_data=_Planned(plan.storage_data, answer))
+            for plan, answer in zip(plans, settled, strict=True)
+        ]
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's files; their table goes to the coordinator with the results.
+
+        Nothing, on every rank, when a rank failed before writing (the claim raises it once
+        DCP returns).
 
         Raises:
             OSError: If a file could not be written or read back (DCP raises it everywhere).
         """
-        table = self._side_files()  # first: DCP's flush of the data then commits them too
-        with on_device(self.device):  # DCP's thread: this rank's device, not device 0
-            results = super().write_data(plan, planner).wait()
+        planned: _Planned = plan.storage_data
+        root = self.claim.apply(planned.settled)
+        done: Future[list[WriteResult]] = Future()
+        if root is None:
+            done.set_result([])
+            return done
+        self.root = root
+        self.path = self.fs.init_path(root)
+        self.fs.mkdir(root)  # rank 0 made it; a node-local disk needs it on each node
+        plan = dataclasses.replace(plan, storage_data=planned.prefix)
+        names = self._side_files()  # small: flushed and hashed while DCP writes the data
+        side = _SUMMING.submit(_flushed, self.root, names)
+        try:
+            with on_device(self.device):  # DCP's thread: this rank's device, not device 0
+                results = super().write_data(plan, planner).wait()
+        except BaseException:
+            concurrent.futures.wait([side])  # nothing writes once the save has failed
+            raise
+        table = side.result()
         records: dict[str, Spans] = {}
         for result in results:
             info = result.storage_data
@@ -108,18 +152,44 @@ class HashingWriter(FileSystemWriter):
         table.update({name: hashing[name].result() for name in sorted(hashing)})
         if self._written is not None:
             self._written()
-        done: Future[list[WriteResult]] = Future()
         done.set_result([*results, WriteResult(index=_TABLE, size_in_bytes=0, storage_data=table)])
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """DCP's ``.metadata`` (without the file tables), then ``publish`` with them."""
+        """DCP's ``.metadata`` (without the file tables), then ``publish`` with them.
+
+        Nothing when a rank failed before writing.
+        """
+        if self.claim.failed:
+            return
         tables: list[FileTable] = []
         for each in results:
             tables.append(next((r.storage_data for r in each if r.index == _TABLE), {}))
             each[:] = [result for result in each if result.index != _TABLE]
         super().finish(metadata, results)
         self._publish(tables)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Share:
+    """A rank's share of the claim, in its local plan."""
+
+    value: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """DCP's own storage data of a final plan (the file prefix), and the claim's answer."""
+
+    prefix: Any
+    settled: Settled
+
+
+def _flushed(root: Path, names: list[str]) -> FileTable:
+    """Flush ``names`` (under ``root``) to the disk; their entries."""
+    for name in names:
+        fsync_file(root / name)
+    return hash_files(root, names)
 
 
 # A write result that no state key has: a chunk's offsets are never negative.
@@ -192,5 +262,6 @@ class _Positions:
         return getattr(self._stream, name)
 
 
-# One thread sums the files of the save in progress (one save at a time per process).
+# One thread writes the side files and sums the files of the save in progress (one save at
+# a time per process).
 _SUMMING = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-sum")

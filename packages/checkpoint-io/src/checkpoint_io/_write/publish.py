@@ -1,4 +1,4 @@
-"""A save's two ends: its arguments and temporary directory; the manifest, fsyncs and rename."""
+"""A save's two ends: its arguments; the side files, the manifest, fsyncs and rename."""
 
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ import logging
 import os
 import shutil
 import signal
-import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +23,7 @@ from checkpoint_io._format.manifest import (
 )
 from checkpoint_io._state.stateful import StatefulParts, check_stateful
 from checkpoint_io._state.stateful import file_name as stateful_file
+from checkpoint_io._write.claim import SaveClaim
 from checkpoint_io._write.hashing import HashingWriter, hash_files
 from checkpoint_io._write.inflight import settle_in_flight
 from dist_core import (
@@ -45,54 +44,49 @@ TEST_KILL_IN_SAVE = "CHECKPOINT_IO_TEST_KILL_IN_SAVE"
 
 
 def publishing_writer(
-    partial: Path,
-    target: Path,
-    manifest: dict[str, Any],
+    claim: SaveClaim,
     rng_state: RngState | None,
     parts: StatefulParts | None,
     *,
     device: torch.device | None,
     host_only: bool = False,
 ) -> HashingWriter:
-    """DCP's writer for ``partial`` that publishes it at ``target`` when DCP commits.
+    """DCP's writer for ``claim``'s save that publishes it when DCP commits.
 
-    Each rank writes its RNG and stateful files, then its data files; once DCP has written
-    ``.metadata``, rank 0 adds the file tables to ``manifest``, flushes everything to the
-    disk and renames ``partial`` to ``target``. A failure anywhere is raised by DCP on every
-    rank, and nothing is published.
+    The ranks settle the temporary directory in DCP's planning (:class:`SaveClaim`); each
+    writes its RNG and stateful files, then its data files; once DCP has written
+    ``.metadata``, rank 0 adds the file tables to the manifest, flushes everything to the
+    disk and renames the temporary directory to the target. A failure anywhere is raised by
+    DCP on every rank, and nothing is published.
     """
     return HashingWriter(
-        partial,
-        functools.partial(_side_files, partial, rng_state, parts),
-        functools.partial(_seal, partial, target, manifest),
+        claim,
+        functools.partial(_side_files, claim, rng_state, parts),
+        functools.partial(_seal, claim),
         device=device,
         host_only=host_only,
-        written=functools.partial(_test_kill, target),
+        written=functools.partial(_test_kill, claim.target),
     )
 
 
 def _side_files(
-    partial: Path, rng_state: RngState | None, parts: StatefulParts | None
-) -> FileTable:
-    """This rank's RNG and stateful files, flushed to the disk, with their entries."""
-    files: FileTable = {}
+    claim: SaveClaim, rng_state: RngState | None, parts: StatefulParts | None
+) -> list[str]:
+    """Write this rank's RNG and stateful files (not yet flushed); their names."""
+    partial = _settled(claim)
+    names: list[str] = []
     if rng_state is not None:
-        files.update(
-            _side_file(partial, f"{RNG_DIR}/rank{rank()}.pt", lambda f: torch.save(rng_state, f))
-        )
+        names.append(f"{RNG_DIR}/rank{rank()}.pt")
+        _side_file(partial / names[-1], lambda f: torch.save(rng_state, f))
     if parts is not None and parts.writes_file(rank()):
-        files.update(
-            _side_file(partial, stateful_file(rank()), lambda f: f.write_bytes(parts.blob))
-        )
-    return files
+        names.append(stateful_file(rank()))
+        _side_file(partial / names[-1], lambda f: f.write_bytes(parts.blob))
+    return names
 
 
-def _side_file(partial: Path, name: str, write: Callable[[Path], object]) -> FileTable:
-    """Write ``partial / name`` with ``write``, flush it to the disk; its entry."""
-    (partial / name).parent.mkdir(parents=True, exist_ok=True)
-    write(partial / name)
-    fsync_file(partial / name)
-    return hash_files(partial, [name])
+def _side_file(file: Path, write: Callable[[Path], object]) -> None:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    write(file)
 
 
 def _test_kill(target: Path) -> None:
@@ -101,8 +95,15 @@ def _test_kill(target: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _seal(partial: Path, target: Path, manifest: dict[str, Any], tables: list[FileTable]) -> None:
+def _settled(claim: SaveClaim) -> Path:
+    if claim.partial is None:  # DCP writes only after the plans are settled
+        raise RuntimeError("the save's directory was not settled before writing")
+    return claim.partial
+
+
+def _seal(claim: SaveClaim, tables: list[FileTable]) -> None:
     """On rank 0, every rank's files written: the manifest, the fsyncs, then the rename."""
+    partial, target, manifest = _settled(claim), claim.target, claim.manifest
     table: FileTable = {}
     tables[0] = {**tables[0], **hash_files(partial, [METADATA_FILE])}
     for writer_rank, each in enumerate(tables):
@@ -111,26 +112,6 @@ def _seal(partial: Path, target: Path, manifest: dict[str, Any], tables: list[Fi
     fsync_file(partial / MANIFEST)
     fsync_tree(partial)  # every file's directory entry, then the rename
     _publish(partial, target)
-
-
-def claim(target: Path) -> tuple[bool, str]:
-    """What rank 0 tells the others as a save starts: ``target`` exists; a temporary name."""
-    return target.exists(), uuid.uuid4().hex[:12]
-
-
-def partial_for(target: Path, overwrite: bool, claimed: tuple[bool, str]) -> Path:
-    """Where a save writes first, from rank 0's :func:`claim` (the same on every rank).
-
-    Raises:
-        FileExistsError: If ``target`` exists and ``overwrite`` is false.
-    """
-    exists, token = claimed
-    if exists and not overwrite:
-        raise FileExistsError(
-            f"{str(target)!r} already exists; pass overwrite=True to replace it (the old "
-            "checkpoint is removed only once the new one is complete), or choose a new path"
-        )
-    return target.parent / f".{target.name}.partial-{token}"
 
 
 def _publish(partial: Path, target: Path) -> None:

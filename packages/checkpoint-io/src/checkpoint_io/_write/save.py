@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from checkpoint_io._collective import agree, single_process_quiet
+from checkpoint_io._collective import single_process_quiet
 from checkpoint_io._compat import CheckpointException, dcp_failure
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.manifest import (
@@ -34,9 +34,12 @@ from checkpoint_io._state.model import (
 from checkpoint_io._state.optimizer import optimizer_state
 from checkpoint_io._state.stateful import StatefulParts
 from checkpoint_io._state.stateful import collect as collect_stateful
-from checkpoint_io._write.publish import begin, claim, partial_for, publishing_writer
+from checkpoint_io._write.claim import SaveClaim
+from checkpoint_io._write.publish import begin, publishing_writer
 from dist_core import (
+    bound_device,
     log_rank0,
+    on_device,
     rank,
     strategy_of,
     unwrap_model,
@@ -118,21 +121,29 @@ def _write(
     stateful: Mapping[str, Any] | None,
     rng: bool,
 ) -> None:
-    state, parts, partial = collect_state(model, optimizer, stateful, target, overwrite)
+    state: dict[str, Any] = {}
+    parts: StatefulParts | None = None
+    rng_state = device = None
+    claim = SaveClaim(target, overwrite)
+    try:  # a failure travels in DCP's plans: no rank writes, every rank raises
+        state, parts = collect_state(model, optimizer, stateful)
+        claim.manifest = new_manifest(model, optimizer, step, extra, parts, rng)
+        claim.parts = parts
+        device = model_device(model)
+        rng_state = capture_rng_state(device) if rng else None
+    except Exception as error:
+        claim.failure, state = error, {}
+    writer = publishing_writer(claim, rng_state, parts, device=device)
     try:
-        manifest = new_manifest(model, optimizer, step, extra, parts, rng)
-        rng_state = capture_rng_state(model_device(model)) if rng else None
-        writer = publishing_writer(
-            partial, target, manifest, rng_state, parts, device=model_device(model)
-        )
         try:
-            with single_process_quiet():
+            with single_process_quiet(), on_device(bound_device()):  # NCCL: the group's own
                 dcp_save(state, storage_writer=writer)  # published when DCP commits
         except CheckpointException as error:  # a BaseException: make it an Exception
             raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
+        claim.raise_failure()  # a rank failed to collect: nothing was written
     except BaseException:
-        if rank() == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+        if rank() == 0 and claim.partial is not None:
+            shutil.rmtree(claim.partial, ignore_errors=True)
         raise
 
 
@@ -140,47 +151,24 @@ def collect_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     stateful: Mapping[str, Any] | None,
-    target: Path,
-    overwrite: bool,
-    *,
-    prepare: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
-) -> tuple[dict[str, Any], StatefulParts | None, Path]:
-    """The state DCP writes (plain names), the ``stateful=`` parts, the temporary directory.
-
-    Collective (one collective, which also carries rank 0's :func:`claim` of ``target``):
-    a failure raises everywhere, before anything is written. ``prepare`` (a background
-    save's staging) runs on the collected state before the ranks agree.
+) -> tuple[dict[str, Any], StatefulParts | None]:
+    """The state DCP writes (plain names) and the ``stateful=`` parts (no collective).
 
     Raises:
-        TypeError: A stateful value that could not be read back safely (on the rank that
-            holds it; the others raise ``CheckpointError`` naming that rank).
-        FileExistsError: If ``target`` exists and ``overwrite`` is false.
+        ValueError: A model on an accelerator other than the current one.
+        TypeError: A stateful value that could not be read back safely.
     """
     state: dict[str, Any] = {}
     parts: StatefulParts | None = None
-    failure: BaseException | None = None
-    try:
-        require_model_device(model, "save_checkpoint")
-        state[MODEL] = model_state(model)
-        if optimizer is not None:
-            state[OPTIM] = optimizer_state(model, optimizer)
-        if stateful:
-            parts = collect_stateful(stateful)
-            if parts.sharded:  # only the DTensor leaves go through DCP
-                state[STATEFUL] = parts.sharded
-        if prepare is not None:
-            state = prepare(state)
-    except Exception as error:
-        failure = error
-    claimed = claim(target) if rank() == 0 else None
-    everyone = agree(
-        failure,
-        "collecting the state to save",
-        share=(None if parts is None else parts.digests, claimed),
-    )
-    if parts is not None:
-        parts.everyone = [digests for digests, _ in everyone]
-    return state, parts, partial_for(target, overwrite, everyone[0][1])
+    require_model_device(model, "save_checkpoint")
+    state[MODEL] = model_state(model)
+    if optimizer is not None:
+        state[OPTIM] = optimizer_state(model, optimizer)
+    if stateful:
+        parts = collect_stateful(stateful)
+        if parts.sharded:  # only the DTensor leaves go through DCP
+            state[STATEFUL] = parts.sharded
+    return state, parts
 
 
 def new_manifest(

@@ -1,0 +1,162 @@
+"""Where a save writes, settled while DCP plans it: no collective of checkpoint-io's own.
+
+Each rank's local plan carries what it collected (its stateful digests) or its failure, as
+data (a type name and a message: an exception object need not pickle, and torch before 2.13
+cannot pickle the traceback DCP would send with it on Python 3.13). The coordinator (rank 0)
+claims the temporary directory once every rank's plan is in, and its answer rides back in
+each rank's final plan. On a failure anywhere, or rank 0's refusal to overwrite, no rank
+writes a byte, and each raises once DCP returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from pathlib import Path
+from typing import Any
+
+from checkpoint_io._collective import agree, agreed
+from checkpoint_io._state.stateful import StatefulParts
+from dist_core import rank
+
+WHAT = "collecting the state to save"
+"""The work named when a rank fails before anything is written."""
+
+Report = tuple[str, str]  # a failure, as the ranks exchange it: its type name, its message
+
+
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """What the coordinator answers each rank's plan (its ``storage_data`` carries it).
+
+    Attributes:
+        name: The temporary directory's name (``None`` when nothing is written).
+        failed: Each failing rank's :data:`Report`; empty when every rank goes on.
+        digests: Every rank's stateful digests (for rank 0's manifest), or rank 0's alone.
+    """
+
+    name: str | None
+    failed: dict[int, Report]
+    digests: list[Any]
+
+
+class SaveClaim:
+    """What the ranks of one save settle in DCP's planning (:class:`HashingWriter` asks).
+
+    Args:
+        target: The checkpoint directory.
+        overwrite: Replace an existing ``target``.
+        failure: This rank's failure while collecting the state.
+        parts: This rank's ``stateful=`` parts: their digests travel in the plans.
+        manifest: ``checkpoint.json`` as far as it is known (rank 0 publishes it).
+        partial: The temporary directory, if already claimed (a background save claims it
+            in the foreground).
+    """
+
+    def __init__(
+        self,
+        target: Path,
+        overwrite: bool,
+        *,
+        failure: BaseException | None = None,
+        parts: StatefulParts | None = None,
+        manifest: dict[str, Any] | None = None,
+        partial: Path | None = None,
+    ) -> None:
+        self.target = target
+        self.overwrite = overwrite
+        self.failure = failure
+        self.parts = parts
+        self.manifest = manifest if manifest is not None else {}
+        self.partial = partial
+        self.failed: dict[int, Report] = {}
+        self._refused: BaseException | None = None
+
+    def local(self) -> tuple[Report | None, Any]:
+        """This rank's share of its local plan: its failure, or its stateful digests."""
+        if self.failure is not None:
+            return (type(self.failure).__name__, str(self.failure)), None
+        return None, None if self.parts is None else self.parts.digests
+
+    def settle(self, shares: list[tuple[Report | None, Any]]) -> list[Settled]:
+        """On the coordinator, every rank's share in: claim the directory; each rank's answer.
+
+        Nothing is claimed when a rank failed; rank 0's refusal to overwrite (or a directory
+        it could not make) is a failure of rank 0.
+        """
+        failed = {r: report for r, (report, _) in enumerate(shares) if report is not None}
+        name = None
+        if not failed:
+            try:
+                if self.partial is None:
+                    self.partial = partial_for(self.target, self.overwrite, claim(self.target))
+                self.partial.mkdir(parents=True, exist_ok=True)
+                name = self.partial.name
+            except Exception as error:
+                self._refused = error
+                failed = {rank(): (type(error).__name__, str(error))}
+        digests = [each for _, each in shares]
+        # rank 0 needs every rank's digests (the manifest); the others, rank 0's alone
+        answers = [Settled(name, failed, digests[:1]) for _ in digests]
+        answers[0] = Settled(name, failed, digests)
+        return answers
+
+    def apply(self, settled: Settled) -> Path | None:
+        """On every rank, its answer in: the directory to write into; ``None``: write nothing."""
+        self.failed = settled.failed
+        if settled.name is None:
+            return None
+        self.partial = self.target.parent / settled.name
+        if self.parts is not None and not self.parts.everyone:
+            self.parts.everyone = list(settled.digests)
+            if rank() == 0:
+                self.manifest["stateful_state"] = self.parts.manifest()
+        return self.partial
+
+    def raise_failure(self) -> None:
+        """Once DCP returned: raise what was settled, if a rank failed (nothing was written).
+
+        The rank that failed raises its own error; the others raise the same type
+        (``FileExistsError``) or :class:`CheckpointError`, naming that rank.
+        """
+        if self.failed:
+            own = self.failure or self._refused
+            raise own if own is not None else agreed(WHAT, self.failed)
+
+
+def claim_now(
+    target: Path, overwrite: bool, failure: BaseException | None, parts: StatefulParts | None
+) -> Path:
+    """The claim settled by a collective of its own: a background save's, before it returns.
+
+    A failure on any rank (``failure``, or rank 0's refusal to overwrite) raises on every
+    rank as :meth:`SaveClaim.raise_failure` would; ``parts.everyone`` is set.
+
+    Returns:
+        The temporary directory (not yet made).
+    """
+    claimed = claim(target) if rank() == 0 else None
+    everyone = agree(failure, WHAT, share=(None if parts is None else parts.digests, claimed))
+    if parts is not None:
+        parts.everyone = [digests for digests, _ in everyone]
+    return partial_for(target, overwrite, everyone[0][1])
+
+
+def claim(target: Path) -> tuple[bool, str]:
+    """What rank 0 settles as a save starts: ``target`` exists; a temporary name."""
+    return target.exists(), uuid.uuid4().hex[:12]
+
+
+def partial_for(target: Path, overwrite: bool, claimed: tuple[bool, str]) -> Path:
+    """Where a save writes first, from rank 0's :func:`claim` (the same on every rank).
+
+    Raises:
+        FileExistsError: If ``target`` exists and ``overwrite`` is false.
+    """
+    exists, token = claimed
+    if exists and not overwrite:
+        raise FileExistsError(
+            f"{str(target)!r} already exists; pass overwrite=True to replace it (the old "
+            "checkpoint is removed only once the new one is complete), or choose a new path"
+        )
+    return target.parent / f".{target.name}.partial-{token}"
