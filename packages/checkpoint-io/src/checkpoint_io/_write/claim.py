@@ -15,6 +15,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.planner import SavePlan
+
 from checkpoint_io._collective import agree, agreed
 from checkpoint_io._state.stateful import StatefulParts
 from dist_core import rank
@@ -122,6 +125,69 @@ class SaveClaim:
         if self.failed:
             own = self.failure or self._refused
             raise own if own is not None else agreed(WHAT, self.failed)
+
+
+class ClaimingWriter(FileSystemWriter):
+    """DCP's file writer whose directory is settled in DCP's planning, by ``claim``.
+
+    Each rank's local plan carries its share of the claim (its stateful digests, or its
+    failure as data); the coordinator settles the claim once every plan is in and sends
+    each rank its answer in its final plan, beside DCP's own file prefix. DCP's plan caching
+    (off unless a planner turns it on; checkpoint-io's never does) would hand a later save
+    this save's answer.
+
+    Args:
+        claim: The save's claim.
+        **options: ``FileSystemWriter``'s options.
+    """
+
+    def __init__(self, claim: SaveClaim, **options: Any) -> None:
+        super().__init__(str(claim.target), **options)
+        self.claim = claim
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """This rank's plan, carrying its share of the claim."""
+        return dataclasses.replace(plan, storage_data=_Share(self.claim.local()))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """On the coordinator: the claim settled; each plan gets DCP's file prefix and it."""
+        shares = [getattr(plan.storage_data, "value", (None, None)) for plan in plans]
+        settled = self.claim.settle(shares)
+        plans = super().prepare_global_plan(
+            [dataclasses.replace(plan, storage_data=None) for plan in plans]
+        )
+        return [
+            dataclasses.replace(plan, storage_data=_Planned(plan.storage_data, answer))
+            for plan, answer in zip(plans, settled, strict=True)
+        ]
+
+    def settled_plan(self, plan: SavePlan) -> SavePlan | None:
+        """In ``write_data``: the plan as DCP made it, its directory made and entered.
+
+        ``None``: write nothing (a rank failed before writing).
+        """
+        planned: _Planned = plan.storage_data
+        root = self.claim.apply(planned.settled)
+        if root is None:
+            return None
+        self.path = self.fs.init_path(root)
+        self.fs.mkdir(root)  # rank 0 made it; a node-local disk needs it on each node
+        return dataclasses.replace(plan, storage_data=planned.prefix)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Share:
+    """A rank's share of the claim, in its local plan."""
+
+    value: tuple[Report | None, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """DCP's own storage data of a final plan (the file prefix), and the claim's answer."""
+
+    prefix: Any
+    settled: Settled
 
 
 def claim_now(

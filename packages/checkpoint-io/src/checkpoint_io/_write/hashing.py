@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import os
 import threading
 from collections.abc import Callable, Generator, Iterable, Mapping
@@ -15,7 +14,6 @@ import torch
 from torch.distributed.checkpoint.filesystem import (
     DEFAULT_SUFFIX,
     FileSystem,
-    FileSystemWriter,
 )
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -23,7 +21,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from checkpoint_io._format.digest import FileTable, Spans, file_entry
-from checkpoint_io._write.claim import SaveClaim, Settled
+from checkpoint_io._write.claim import ClaimingWriter, SaveClaim
 from dist_core import fsync_file, on_device
 
 
@@ -35,7 +33,7 @@ def hash_files(
     return {name: file_entry(root / name, spans.get(name, ())) for name in sorted(names)}
 
 
-class HashingWriter(FileSystemWriter):
+class HashingWriter(ClaimingWriter):
     """DCP's file writer that also records the size and checksum of every file this rank wrote.
 
     Each data file's entry also holds the digest of each record in it (``records``): a
@@ -58,9 +56,8 @@ class HashingWriter(FileSystemWriter):
     current stream. The writer enters ``device`` (this rank's) around the write. A state
     staged on the host (``host_only``) is written without DCP's device loader at all.
 
-    Where it writes is settled in DCP's planning (:class:`SaveClaim`): each rank's local
-    plan carries its share (or raises its failure), the coordinator claims the temporary
-    directory, and each final plan brings it back.
+    Where it writes is settled in DCP's planning (:class:`ClaimingWriter`); when a rank
+    failed before writing, no rank writes and the coordinator publishes nothing.
 
     Args:
         claim: The save's claim: the checkpoint directory and what the ranks settle.
@@ -85,34 +82,13 @@ class HashingWriter(FileSystemWriter):
     ) -> None:
         # per_thread_copy_ahead=0 makes DCP copy with its serial loader, which leaves host
         # tensors as they are and touches no device stream.
-        super().__init__(str(claim.target), per_thread_copy_ahead=0 if host_only else 10_000_000)
-        self.claim = claim
+        super().__init__(claim, per_thread_copy_ahead=0 if host_only else 10_000_000)
         self.root = claim.target  # the temporary directory once the plans are settled
         self.device = device
         self.fs: _HashingFileSystem = _HashingFileSystem()
         self._side_files = side_files
         self._publish = publish
         self._written = written
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """This rank's plan, carrying its share of the claim (its failure, as data)."""
-        return dataclasses.replace(plan, storage_data=_Share(self.claim.local()))
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """On the coordinator: the claim settled; each plan gets DCP's file prefix and it.
-
-        DCP's plan caching (off unless a planner turns it on; checkpoint-io's never does)
-        would hand a later save this save's answer.
-        """
-        shares = [getattr(plan.storage_data, "value", (None, None)) for plan in plans]
-        settled = self.claim.settle(shares)
-        plans = super().prepare_global_plan(
-            [dataclasses.replace(plan, storage_data=None) for plan in plans]
-        )
-        return [
-            dataclasses.replace(plan, storage_data=_Planned(plan.storage_data, answer))
-            for plan, answer in zip(plans, settled, strict=True)
-        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's files; their table goes to the coordinator with the results.
@@ -123,21 +99,17 @@ class HashingWriter(FileSystemWriter):
         Raises:
             OSError: If a file could not be written or read back (DCP raises it everywhere).
         """
-        planned: _Planned = plan.storage_data
-        root = self.claim.apply(planned.settled)
+        settled = self.settled_plan(plan)
         done: Future[list[WriteResult]] = Future()
-        if root is None:
+        if settled is None:
             done.set_result([])
             return done
-        self.root = root
-        self.path = self.fs.init_path(root)
-        self.fs.mkdir(root)  # rank 0 made it; a node-local disk needs it on each node
-        plan = dataclasses.replace(plan, storage_data=planned.prefix)
+        self.root = Path(self.path)
         names = self._side_files()  # small: flushed and hashed while DCP writes the data
         side = _SUMMING.submit(_flushed, self.root, names)
         try:
             with on_device(self.device):  # DCP's thread: this rank's device, not device 0
-                results = super().write_data(plan, planner).wait()
+                results = super().write_data(settled, planner).wait()
         except BaseException:
             concurrent.futures.wait([side])  # nothing writes once the save has failed
             raise
@@ -168,21 +140,6 @@ class HashingWriter(FileSystemWriter):
             each[:] = [result for result in each if result.index != _TABLE]
         super().finish(metadata, results)
         self._publish(tables)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Share:
-    """A rank's share of the claim, in its local plan."""
-
-    value: Any
-
-
-@dataclasses.dataclass(frozen=True)
-class _Planned:
-    """DCP's own storage data of a final plan (the file prefix), and the claim's answer."""
-
-    prefix: Any
-    settled: Settled
 
 
 def _flushed(root: Path, names: list[str]) -> FileTable:

@@ -56,8 +56,8 @@ def publishing_writer(
     The ranks settle the temporary directory in DCP's planning (:class:`SaveClaim`); each
     writes its RNG and stateful files, then its data files; once DCP has written
     ``.metadata``, rank 0 adds the file tables to the manifest, flushes everything to the
-    disk and renames the temporary directory to the target. A failure anywhere is raised by
-    DCP on every rank, and nothing is published.
+    disk and renames the temporary directory to the target. A failure anywhere is raised on
+    every rank (by DCP, or by the claim once DCP returns), and nothing is published.
     """
     return HashingWriter(
         claim,
