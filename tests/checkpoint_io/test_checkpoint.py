@@ -628,6 +628,31 @@ print("ok")
     assert fresh_interpreter(code).strip().endswith("ok")
 
 
+def test_a_save_plans_on_the_device_its_group_is_bound_to(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """DCP's planning (the save's one agreement) gathers objects, which NCCL stages on the
+    current device: the save enters the default group's bound device around DCP, so a rank
+    whose current device is wrong still learns of a failure instead of hanging in it."""
+    from checkpoint_io._write import save
+    from checkpoint_io._write.claim import ClaimingWriter
+    from fake_accelerator import FakeAccelerator, patch_device_module
+
+    fake = FakeAccelerator(4)
+    patch_device_module(monkeypatch, lambda kind: fake)
+    monkeypatch.setattr(save, "bound_device", lambda: torch.device("cuda", 3))
+    seen: list[int] = []
+    plan = ClaimingWriter.prepare_local_plan
+
+    def recording(self: ClaimingWriter, local: Any) -> Any:
+        seen.append(fake.current)
+        return plan(self, local)
+
+    monkeypatch.setattr(ClaimingWriter, "prepare_local_plan", recording)
+    save_checkpoint(tmp_path / "c", nn.Linear(2, 2), rng=False)
+    assert seen == [3] and fake.current == 0
+
+
 def test_the_writer_writes_on_this_ranks_device(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -11,6 +11,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from dist_core import (
+    agree,
+    bound_device,
     check_forward_methods,
     check_wrap_preconditions,
     fsdp_modules,
@@ -145,6 +147,34 @@ class TestWithGroup:
         assert accepted == torch.device("cuda", 0)
         with pytest.raises(ValueError, match="parameter 'weight' of Linear is on meta"):
             check_wrap_preconditions(on_meta, "cuda:0", wrapper="w", allow_host=True)
+
+    def test_agree_gathers_on_the_device_the_group_is_bound_to(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Under NCCL an object gather stages on the current device: agree enters the group's
+        bound device (init_process_group(device_id=...)) around it, whatever is current."""
+        import torch.distributed as dist
+
+        fake = FakeAccelerator(4)
+        patch_device_module(monkeypatch, lambda kind: fake)
+        seen: list[int] = []
+        gather = dist.all_gather_object
+
+        def recording(*args: object, **kwargs: object) -> None:
+            seen.append(fake.current)
+            gather(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(dist, "all_gather_object", recording)
+        world = dist.group.WORLD
+        assert world is not None and bound_device() is None
+        assert agree(None, "x", share=5) == [5] and seen == [0]
+        world.bound_device_id = torch.device("cuda", 3)
+        try:
+            assert bound_device() == torch.device("cuda", 3)
+            assert agree(None, "x", share=6) == [6] and seen == [0, 3]
+        finally:
+            world.bound_device_id = None
+        assert fake.current == 0
 
     # Importing dynamo for torch.compile warns about torch.jit in torch 2.13.
     @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
