@@ -79,9 +79,12 @@ def test_failed_save_raises_everywhere_and_keeps_the_old(two_ranks: Any) -> None
         "rank 1"
     )
     assert results[0]["failed_save_exists"].startswith("FileExistsError: '")
-    assert results[1]["failed_save_exists"].startswith(
-        "FileExistsError: collecting the state to save failed on rank(s) [0]; rank 0: '"
-    )
+    assert results[1]["failed_save_exists"].startswith("FileExistsError: claiming '")
+    assert "failed on rank(s) [0]; rank 0: '" in results[1]["failed_save_exists"]
+    # Under FSDP the failing rank plans no shard: DCP's own check of the merged plans would
+    # have named rank 0 and a missing shard instead of rank 1 and its error.
+    assert results[1]["failed_save_fsdp"] == results[1]["failed_save"]
+    assert results[0]["failed_save_fsdp"] == results[0]["failed_save"]
     for rank in results:
         assert "already exists; pass overwrite=True" in rank["failed_save_exists"]
         assert rank["after_failed_save"] is True  # no partial directory, old one intact
@@ -626,6 +629,18 @@ print("ok")
     from dist_harness import fresh_interpreter
 
     assert fresh_interpreter(code).strip().endswith("ok")
+
+
+def test_a_background_save_whose_directory_cannot_be_made_raises(tmp_path: Path) -> None:
+    """The directory is made in the background save's planning: a failure there raises from
+    wait() (it returned the path while nothing was written), and nothing is left behind."""
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    pending = async_save_checkpoint(blocked / "ckpt", nn.Linear(2, 2), rng=False)
+    with pytest.raises(NotADirectoryError):
+        pending.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+    assert save_checkpoint(tmp_path / "next", nn.Linear(2, 2), rng=False).is_dir()
 
 
 def test_a_save_plans_on_the_device_its_group_is_bound_to(

@@ -152,7 +152,10 @@ def _agent(port: int, args: tuple[str, ...], log: Path) -> subprocess.Popen[byte
     # The rendezvous store is the test's (is_host=0): a node that leaves takes nothing along.
     conf = "is_host=0,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3"
     command += ["--monitor-interval", "0.5", "--rdzv-conf", conf]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_TEST_STEP_SLEEP": "0.5"}
+    # A slow step (1 s): the node that joins again needs its interpreter, torch and the
+    # rendezvous (up to ~8 s while the other tests load both cores) before the single node's
+    # remaining steps are done; at 0.5 s it once finished alone first.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAIN_TEST_STEP_SLEEP": "1"}
     # torch's opt-out of the shared rendezvous store: with it shared, rank 0's agent caches
     # its bootstrap address after the first round and never publishes it again, so a node
     # that joins later waits for MASTER_ADDR until it times out (dynamic_rendezvous.py,

@@ -129,6 +129,7 @@ def start_async_save(
                 upload.result()  # published when DCP commits, which raises on every rank
             except CheckpointException as error:  # a BaseException: make it an Exception
                 raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
+            writer.claim.raise_failure()  # rank 0 could not make the directory: nothing written
             if after_publish is not None and rank() == 0:
                 after_publish()
         except BaseException:

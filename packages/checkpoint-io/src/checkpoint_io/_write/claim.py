@@ -15,7 +15,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
 from checkpoint_io._collective import agree, agreed
@@ -35,12 +37,14 @@ class Settled:
     Attributes:
         name: The temporary directory's name (``None`` when nothing is written).
         failed: Each failing rank's :data:`Report`; empty when every rank goes on.
+        what: The work that failed, for the message.
         digests: Every rank's stateful digests (for rank 0's manifest), or rank 0's alone.
     """
 
     name: str | None
     failed: dict[int, Report]
     digests: list[Any]
+    what: str = ""
 
 
 class SaveClaim:
@@ -73,6 +77,7 @@ class SaveClaim:
         self.manifest = manifest if manifest is not None else {}
         self.partial = partial
         self.failed: dict[int, Report] = {}
+        self._what = WHAT
         self._refused: BaseException | None = None
 
     def local(self) -> tuple[Report | None, Any]:
@@ -87,8 +92,8 @@ class SaveClaim:
         Nothing is claimed when a rank failed; rank 0's refusal to overwrite (or a directory
         it could not make) is a failure of rank 0.
         """
-        failed = {r: report for r, (report, _) in enumerate(shares) if report is not None}
-        name = None
+        failed = failures(shares)
+        name, what = None, WHAT
         if not failed:
             try:
                 if self.partial is None:
@@ -98,15 +103,16 @@ class SaveClaim:
             except Exception as error:
                 self._refused = error
                 failed = {rank(): (type(error).__name__, str(error))}
+                what = f"claiming {str(self.target)!r}"
         digests = [each for _, each in shares]
         # rank 0 needs every rank's digests (the manifest); the others, rank 0's alone
-        answers = [Settled(name, failed, digests[:1]) for _ in digests]
-        answers[0] = Settled(name, failed, digests)
+        answers = [Settled(name, failed, digests[:1], what) for _ in digests]
+        answers[0] = Settled(name, failed, digests, what)
         return answers
 
     def apply(self, settled: Settled) -> Path | None:
         """On every rank, its answer in: the directory to write into; ``None``: write nothing."""
-        self.failed = settled.failed
+        self.failed, self._what = settled.failed, settled.what
         if settled.name is None:
             return None
         self.partial = self.target.parent / settled.name
@@ -124,7 +130,31 @@ class SaveClaim:
         """
         if self.failed:
             own = self.failure or self._refused
-            raise own if own is not None else agreed(WHAT, self.failed)
+            raise own if own is not None else agreed(self._what, self.failed)
+
+
+def failures(shares: list[tuple[Report | None, Any]]) -> dict[int, Report]:
+    """Each failing rank's report, from every rank's share."""
+    return {r: report for r, (report, _) in enumerate(shares) if report is not None}
+
+
+class ClaimPlanner(DefaultSavePlanner):
+    """DCP's default save planner that leaves the plans alone when a rank failed.
+
+    A rank that failed to collect its state plans nothing, which DCP's merge of the plans
+    would refuse (a sharded tensor's shards no longer cover it) before the claim could name
+    the rank that failed: nothing is merged, nothing is written, the claim raises.
+    """
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """DCP's merge, unless a rank's plan carries a failure."""
+        if failures([_share_of(plan) for plan in all_plans]):
+            return all_plans, Metadata(state_dict_metadata={})
+        return super().create_global_plan(all_plans)
+
+
+def _share_of(plan: SavePlan) -> tuple[Report | None, Any]:
+    return getattr(plan.storage_data, "value", (None, None))
 
 
 class ClaimingWriter(FileSystemWriter):
@@ -151,8 +181,7 @@ class ClaimingWriter(FileSystemWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """On the coordinator: the claim settled; each plan gets DCP's file prefix and it."""
-        shares = [getattr(plan.storage_data, "value", (None, None)) for plan in plans]
-        settled = self.claim.settle(shares)
+        settled = self.claim.settle([_share_of(plan) for plan in plans])
         plans = super().prepare_global_plan(
             [dataclasses.replace(plan, storage_data=None) for plan in plans]
         )

@@ -34,7 +34,7 @@ from checkpoint_io._state.model import (
 from checkpoint_io._state.optimizer import optimizer_state
 from checkpoint_io._state.stateful import StatefulParts
 from checkpoint_io._state.stateful import collect as collect_stateful
-from checkpoint_io._write.claim import SaveClaim
+from checkpoint_io._write.claim import ClaimPlanner, SaveClaim
 from checkpoint_io._write.publish import begin, publishing_writer
 from dist_core import (
     bound_device,
@@ -137,7 +137,8 @@ def _write(
     try:
         try:
             with single_process_quiet(), on_device(bound_device()):  # NCCL: the group's own
-                dcp_save(state, storage_writer=writer)  # published when DCP commits
+                # published at DCP's commit
+                dcp_save(state, storage_writer=writer, planner=ClaimPlanner())
         except CheckpointException as error:  # a BaseException: make it an Exception
             raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
         claim.raise_failure()  # a rank failed to collect: nothing was written
