@@ -25,9 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
-from distributed_strategy import materialize
+from distributed_strategy import local_tensor, materialize
 from strategy_bench._compat import FakeTensorMode, fake_process_group, unset_fake_temporarily
 from strategy_bench._errors import BenchUsageError, error_summary
 from strategy_bench.estimate._agreement import comm_total
@@ -168,7 +167,7 @@ class _LocalOptimizer:
         self._grads: list[tuple[torch.Tensor, torch.Tensor]] = []
         local = []
         for param in parameters:
-            tensor = param.to_local() if isinstance(param, DTensor) else param
+            tensor = local_tensor(param)
             twin = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
             twin.requires_grad_(param.requires_grad)
             if param.requires_grad:

@@ -11,12 +11,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from distributed_strategy import DTYPE_NAMES, no_sync, torch_dtype
+from distributed_strategy import DTYPE_NAMES, local_tensor, no_sync, torch_dtype
 from strategy_bench._compat import collective_group, fsdp_gather_outputs, storage_key
 from strategy_bench.measure._tracker import LiveTensors
 from strategy_bench.workload import selective_kept
@@ -119,7 +118,7 @@ def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for tensor in tensors:
         if tensor is None:
             continue
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = local_tensor(tensor)
         total += local.numel() * local.element_size()
     return int(total)
 
@@ -164,14 +163,10 @@ def host_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     parameter's gradient is counted at the parameter's size whether or not it is held now
     (the step frees it), on the parameter's side.
     """
-    params = [p for p in model.parameters() if _local_device(p).type == "cpu"]
+    params = [p for p in model.parameters() if local_tensor(p).device.type == "cpu"]
     grads = [p for p in params if p.requires_grad]
-    state = [t for t in optimizer_state_tensors(optimizer) if _local_device(t).type == "cpu"]
+    state = [t for t in optimizer_state_tensors(optimizer) if local_tensor(t).device.type == "cpu"]
     return local_bytes(params) + local_bytes(grads) + local_bytes(state)
-
-
-def _local_device(tensor: torch.Tensor) -> torch.device:
-    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).device
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -18,10 +18,10 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from distributed_strategy import local_tensor
 from strategy_bench._compat import storage_key
 
 _NBYTES = torch.UntypedStorage.nbytes
@@ -152,7 +152,7 @@ def _storage_keys(tree: Any) -> set[int]:
 def _storage(tensor: object) -> torch.UntypedStorage | None:
     if not isinstance(tensor, torch.Tensor):
         return None
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_tensor(tensor)
     try:
         return local.untyped_storage()
     except (RuntimeError, NotImplementedError):  # e.g. a sparse or nested tensor

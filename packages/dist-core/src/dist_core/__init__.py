@@ -33,6 +33,7 @@ from dist_core._memory import MemoryPeak, current_rss
 from dist_core._wrapped import (
     Strategy,
     fsdp_modules,
+    local_tensor,
     state_groups,
     strategy_of,
     unwrap_compiled,
@@ -60,6 +61,7 @@ __all__ = [
     "fsync_tree",
     "init_distributed",
     "is_distributed",
+    "local_tensor",
     "log_rank0",
     "make_dirs",
     "names_nccl",

@@ -1,4 +1,4 @@
-"""What a model is wrapped in: the strategy it runs under, and the bare module inside."""
+"""What a model is wrapped in: its strategy, the bare module inside, a tensor's local shard."""
 
 from __future__ import annotations
 
@@ -7,9 +7,15 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 Strategy = Literal["ddp", "fsdp", "hsdp", "none"]
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: a ``DTensor``'s local shard, any other tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _is_compiled(module: nn.Module) -> bool:

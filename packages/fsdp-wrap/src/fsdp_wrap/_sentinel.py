@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from dist_core import local_tensor
 
 _REPLACED: dict[int, weakref.ref[torch.Tensor]] = {}
 """The parameters a wrap replaced (and that something still holds), by ``id``. Not a
@@ -129,21 +130,20 @@ def _check_offloaded(optimizer: torch.optim.Optimizer) -> None:
                 "host parameters)"
             )
         for param in offloaded:
-            home = _local(param).device
+            home = local_tensor(param).device
             for key, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor) and value.dim() and _local(value).device != home:
+                if not isinstance(value, torch.Tensor) or not value.dim():
+                    continue  # 0-dim state (AdamW's step) is where torch keeps it: not compared
+                where = local_tensor(value).device
+                if where != home:
                     raise ValueError(
                         f"{name}'s state {key!r} of an offloaded parameter (group {index}) is on "
-                        f"{_local(value).device}, its parameter on {home}: "
+                        f"{where}, its parameter on {home}: "
                         "wrap_module_fsdp(offload=True) keeps parameters, gradients and "
                         "optimizer state in host memory. Nothing was changed. Create the "
                         "optimizer after the wrap, from model.parameters(), and load its "
                         "state with checkpoint-io (which places it with its parameter)"
                     )
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _check_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dist_core import is_distributed, strategy_of, unwrap_compiled, unwrap_model
+from dist_core import is_distributed, local_tensor, strategy_of, unwrap_compiled, unwrap_model
 from replica_init._fingerprint import combine, digest_entry, named_state_tensors
 
 
@@ -109,7 +109,7 @@ def _replicated(
         return getattr(unwrap_compiled(model), "process_group", None) or dist.group.WORLD, named
     if strategy == "hsdp":
         mesh = next(t.device_mesh for _, t in named if isinstance(t, DTensor))
-        local = [(name, t.to_local() if isinstance(t, DTensor) else t) for name, t in named]
+        local = [(name, local_tensor(t)) for name, t in named]
         return mesh.get_group(0), local  # HSDP's mesh: (replicate, shard)
     return None, []
 
@@ -119,7 +119,7 @@ def _grad_norm(model: nn.Module) -> float | None:
     for param in model.parameters():
         grad = param.grad
         if grad is not None:
-            grads.append((grad.to_local() if isinstance(grad, DTensor) else grad).detach())
+            grads.append(local_tensor(grad).detach())
     if not grads:
         return None
     return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))

@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
 
 from checkpoint_io._state.model import model_state
-from dist_core import is_distributed, unwrap_model
+from dist_core import is_distributed, local_tensor, unwrap_model
 
 
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
@@ -45,5 +44,4 @@ def _snapshot(tensor: torch.Tensor, live: set[int]) -> torch.Tensor:
 
 
 def _storage(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return int(local.untyped_storage().data_ptr())
+    return int(local_tensor(tensor).untyped_storage().data_ptr())

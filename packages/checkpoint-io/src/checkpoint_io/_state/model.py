@@ -18,7 +18,7 @@ from checkpoint_io._collective import from_rank0
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.index import saved_entries
 from checkpoint_io._format.manifest import MODEL
-from dist_core import rank, require_current_device, state_groups, unwrap_model
+from dist_core import local_tensor, rank, require_current_device, state_groups, unwrap_model
 from replica_init import state_fingerprint
 from strategy_config import did_you_mean
 
@@ -107,10 +107,6 @@ def check_model_keys(
                 f"model {tensor.dtype}; build the model with the same default dtype"
             )
     return keys
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def local_fingerprint(state: Mapping[str, torch.Tensor]) -> str:

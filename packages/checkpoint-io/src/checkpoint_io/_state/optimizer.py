@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.index import saved_entries
 from checkpoint_io._format.manifest import OPTIM
-from checkpoint_io._state.model import local_tensor, parameter_names
-from dist_core import unwrap_model
+from checkpoint_io._state.model import parameter_names
+from dist_core import local_tensor, unwrap_model
 from strategy_config import did_you_mean
 
 

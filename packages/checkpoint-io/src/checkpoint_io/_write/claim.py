@@ -44,7 +44,7 @@ class Settled:
     name: str | None
     failed: dict[int, Report]
     digests: list[Any]
-    what: str = ""
+    what: str
 
 
 class SaveClaim:

@@ -6,7 +6,7 @@ import concurrent.futures
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,9 @@ from checkpoint_io._write.claim import ClaimingWriter, SaveClaim
 from dist_core import fsync_file, on_device
 
 
-def hash_files(
-    root: Path, names: Iterable[str], records: Mapping[str, Spans] | None = None
-) -> FileTable:
-    """The entries of ``names`` (paths relative to ``root``), with ``records``' digests."""
-    spans = records or {}
-    return {name: file_entry(root / name, spans.get(name, ())) for name in sorted(names)}
+def hash_files(root: Path, names: Iterable[str]) -> FileTable:
+    """The entries of ``names`` (paths relative to ``root``): whole files, no records."""
+    return {name: file_entry(root / name) for name in sorted(names)}
 
 
 class HashingWriter(ClaimingWriter):
@@ -170,8 +167,8 @@ class _HashingFileSystem(FileSystem):
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Generator[Any, None, None]:
         """DCP's stream; a data file opened to write is hashed once complete.
 
-        Not ``.metadata`` (written as ``.metadata.tmp``, then renamed): it is hashed once
-        published, and is small.
+        Not ``.metadata`` (written as ``.metadata.tmp``, then renamed): it is small, and rank
+        0 hashes it once it is in place, before publishing.
         """
         with super().create_stream(path, mode) as stream:
             data = mode == "wb" and Path(path).suffix == DEFAULT_SUFFIX
