@@ -203,6 +203,57 @@ class TestOneProcess:
             "head.bias",
         ]
 
+    def test_tensor_records_carry_no_zip_crc32_and_raw_dcp_reads_them(self, tmp_path: Path) -> None:
+        """A synchronous save has torch.save skip each tensor record's zip CRC32 (never
+        checked by torch's readers; the record digests are) and keep each value's (zipfile
+        checks it); torch's option is as it was after the save, and after one that failed;
+        raw ``dcp.load`` reads the checkpoint back exactly, and a value written without a
+        CRC32 is read (a tensor record that takes the value path: zip64, sparse)."""
+        import io
+        import zipfile
+
+        import torch.distributed.checkpoint as dcp
+
+        from checkpoint_io._format.records import zip_crc32
+        from checkpoint_io._format.values import load_value
+
+        model, optimizer = trained()
+        assert torch.serialization.get_crc32_options()
+        path = save_checkpoint(tmp_path / "c", model, optimizer, step=1)
+        assert torch.serialization.get_crc32_options()
+        entry = json.loads((path / "checkpoint.json").read_text())["files"]["__0_0.distcp"]
+        data = (path / "__0_0.distcp").read_bytes()
+        tensors = []
+        for offset, length, _ in entry["records"]:
+            with zipfile.ZipFile(io.BytesIO(data[offset : offset + length])) as record:
+                members = record.infolist()
+                tensors.append(any("/data/" in member.filename for member in members))
+                if tensors[-1]:
+                    assert all(member.CRC == 0 for member in members if member.file_size)
+                else:
+                    assert record.testzip() is None  # every CRC32 right
+        assert True in tensors and False in tensors
+        with zip_crc32(False):
+            buffer = io.BytesIO()
+            torch.save({"lr": torch.tensor([0.5])}, buffer)
+        assert torch.equal(load_value(buffer.getvalue(), "a value")["lr"], torch.tensor([0.5]))
+        fresh = Small()
+        state = {"model": fresh.state_dict()}
+        with pytest.warns(UserWarning, match="single process"):
+            dcp.load(state, checkpoint_id=path)
+        fresh.load_state_dict(state["model"])
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, fresh.state_dict()[key]), key
+        with pytest.raises(FileExistsError):  # refused inside DCP's planning
+            save_checkpoint(path, model, optimizer, step=1)
+        assert torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            save_checkpoint(path, model, optimizer, step=1, overwrite=True)
+            assert not torch.serialization.get_crc32_options()
+        finally:
+            torch.serialization.set_crc32_options(True)
+
     def test_refusals(self, tmp_path: Path) -> None:
         model, optimizer = trained()
         path = save_checkpoint(tmp_path / "c", model)

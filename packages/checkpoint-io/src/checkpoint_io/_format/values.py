@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
+import struct
 import zipfile
 from collections.abc import Iterator
 from typing import Any
@@ -74,10 +75,32 @@ def _unbounded(data: bytes) -> str | None:
             return f"a compressed record ({member.filename})"
     for member in members:
         if member.filename.endswith("data.pkl"):
-            found = _refused_global(archive.read(member))
+            pickled = _stored(data, member)
+            if pickled is None:
+                return f"a record that is not where its zip directory says ({member.filename})"
+            found = _refused_global(pickled)
             if found is not None:
                 return found
     return None
+
+
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature; the name's and extra field's lengths
+
+
+def _stored(data: bytes, member: zipfile.ZipInfo) -> bytes | None:
+    """A stored member's bytes, read where its local header says, or ``None``.
+
+    No CRC32 is checked: a tensor record may have none
+    (:func:`checkpoint_io._format.records.zip_crc32`).
+    """
+    start = member.header_offset
+    if start < 0 or start + _LOCAL_HEADER.size > len(data):
+        return None
+    signature, name, extra = _LOCAL_HEADER.unpack_from(data, start)
+    begin = start + _LOCAL_HEADER.size + name + extra
+    if signature != b"PK\x03\x04" or begin + member.compress_size > len(data):
+        return None
+    return data[begin : begin + member.compress_size]
 
 
 def _refused_global(pickled: bytes) -> str | None:

@@ -18,9 +18,10 @@ from typing import Any
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from checkpoint_io._collective import agree, agreed
+from checkpoint_io._format.records import zip_crc32
 from checkpoint_io._state.stateful import StatefulParts
 from dist_core import rank
 
@@ -151,6 +152,17 @@ class ClaimPlanner(DefaultSavePlanner):
         if failures([_share_of(plan) for plan in all_plans]):
             return all_plans, Metadata(state_dict_metadata={})
         return super().create_global_plan(all_plans)
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
+        """DCP's, with a value's zip CRC32 kept (:mod:`zipfile` checks it).
+
+        A value is ``torch.save``'d into bytes here; a tensor is serialised later, by the
+        writer, with or without its CRC32 (:func:`~checkpoint_io._format.records.zip_crc32`).
+        """
+        if write_item.type != WriteItemType.BYTE_IO:
+            return super().transform_object(write_item, object)
+        with zip_crc32(True):
+            return super().transform_object(write_item, object)
 
 
 def _share_of(plan: SavePlan) -> tuple[Report | None, Any]:

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from checkpoint_io._format.digest import FileTable, Spans, file_entry
+from checkpoint_io._format.records import zip_crc32
 from checkpoint_io._write.claim import ClaimingWriter, SaveClaim
 from dist_core import fsync_file, on_device
 
@@ -64,6 +65,8 @@ class HashingWriter(ClaimingWriter):
             (by rank).
         device: This rank's device (the model's); ``None`` or CPU: nothing to enter.
         host_only: Every tensor written is already in host memory (a staged state).
+        zip_crc32: ``torch.save`` computes each tensor record's zip CRC32 (a rank that
+            waits on the write does without: :func:`~checkpoint_io._format.records.zip_crc32`).
         written: Called on each rank once all its files are written and hashed.
     """
 
@@ -75,6 +78,7 @@ class HashingWriter(ClaimingWriter):
         *,
         device: torch.device | None = None,
         host_only: bool = False,
+        zip_crc32: bool = True,
         written: Callable[[], None] | None = None,
     ) -> None:
         # per_thread_copy_ahead=0 makes DCP copy with its serial loader, which leaves host
@@ -82,6 +86,7 @@ class HashingWriter(ClaimingWriter):
         super().__init__(claim, per_thread_copy_ahead=0 if host_only else 10_000_000)
         self.root = claim.target  # the temporary directory once the plans are settled
         self.device = device
+        self.zip_crc32 = zip_crc32
         self.fs: _HashingFileSystem = _HashingFileSystem()
         self._side_files = side_files
         self._publish = publish
@@ -105,7 +110,8 @@ class HashingWriter(ClaimingWriter):
         names = self._side_files()  # small: flushed and hashed while DCP writes the data
         side = _SUMMING.submit(_flushed, self.root, names)
         try:
-            with on_device(self.device):  # DCP's thread: this rank's device, not device 0
+            # DCP's thread: this rank's device, not device 0
+            with on_device(self.device), zip_crc32(self.zip_crc32):
                 results = super().write_data(settled, planner).wait()
         except BaseException:
             concurrent.futures.wait([side])  # nothing writes once the save has failed

@@ -133,7 +133,8 @@ def _write(
         rng_state = capture_rng_state(device) if rng else None
     except Exception as error:
         claim.failure, state = error, {}
-    writer = publishing_writer(claim, rng_state, parts, device=device)
+    # this rank waits on the write: no zip CRC32 for the tensor records (their digests are)
+    writer = publishing_writer(claim, rng_state, parts, device=device, zip_crc32=False)
     try:
         try:
             with single_process_quiet(), on_device(bound_device()):  # NCCL: the group's own
