@@ -493,6 +493,78 @@ class TestBoundedValues:
             load_value(squeezed.getvalue(), "the deflated value")
         assert load_value(plain.getvalue(), "a plain value") == {"lr": 0.1}
 
+    def test_a_zip_that_zipfile_and_torch_read_differently_is_refused(self) -> None:
+        """A value with two central directories: the end record points torch's reader at the
+        first (a bytearray), while zipfile, which shifts offsets by the bytes it finds before
+        the archive, read the second (benign) and let the bytearray through (found by a
+        review). The scan now requires the directory where the end record puts it."""
+        import io
+        import struct
+        import zipfile
+        import zlib
+
+        from checkpoint_io._format.values import load_value
+
+        def members(value: object) -> list[tuple[str, bytes]]:
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            with zipfile.ZipFile(buffer) as archive:
+                return [(item.filename, archive.read(item)) for item in archive.infolist()]
+
+        def local(name: str, data: bytes) -> bytes:
+            head = (0x04034B50, 20, 0, 0, 0, 0, zlib.crc32(data), len(data), len(data))
+            return struct.pack("<IHHHHHIIIHH", *head, len(name), 0) + name.encode() + data
+
+        def central(name: str, data: bytes, offset: int, comment: bytes = b"") -> bytes:
+            head = (0x02014B50, 20, 20, 0, 0, 0, 0, zlib.crc32(data), len(data), len(data))
+            tail = (len(name), 0, len(comment), 0, 0, 0, offset)
+            return struct.pack("<IHHHHHHIIIHHHHHII", *head, *tail) + name.encode() + comment
+
+        bomb, benign = members(bytearray(16)), members({"x": 1})
+        out, at_bomb, at_benign = b"", [], []
+        for name, data in bomb:
+            at_bomb.append(len(out))
+            out += local(name, data)
+        for name, data in benign:
+            at_benign.append(len(out))
+            out += local(name, data)
+        first = b"".join(central(n, d, o) for (n, d), o in zip(bomb, at_bomb, strict=True))
+        second = [
+            central(n, d, o - len(first)) for (n, d), o in zip(benign, at_benign, strict=True)
+        ]
+        pad = len(first) - len(b"".join(second))
+        assert pad >= 0
+        (name, data), offset = benign[-1], at_benign[-1]
+        second[-1] = central(name, data, offset - len(first), b" " * pad)
+        directory = len(out)
+        out += first + b"".join(second)
+        out += struct.pack(
+            "<IHHHHIIH", 0x06054B50, 0, 0, len(bomb), len(bomb), len(first), directory, 0
+        )
+        assert isinstance(torch.load(io.BytesIO(out), weights_only=True), bytearray)  # torch's view
+        with pytest.raises(CheckpointError, match="refused as unsafe: it holds bytes before its"):
+            load_value(out, "the crafted value")
+
+    def test_the_directory_is_found_through_zip64_end_records(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Where the end record defers to zip64's (a value of 4 GiB or more), the directory's
+        place is read from it: where zipfile finds it, so such a value is not refused."""
+        import io
+        import zipfile
+
+        from checkpoint_io._format.archive import directory_offset
+
+        monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 16)  # zip64 records for a small archive
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as archive:
+            archive.writestr("archive/data.pkl", b"x" * 100)
+        data = buffer.getvalue()
+        assert data[-42:-38] == b"PK\x06\x07"  # the zip64 locator before the end record
+        data = data[:-6] + b"\xff" * 4 + data[-2:]  # the end record defers to zip64's
+        assert directory_offset(data) == zipfile.ZipFile(io.BytesIO(data)).start_dir > 0
+        assert directory_offset(data[:-1]) is None
+
 
 def test_a_new_root_is_durable_on_the_first_save(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import io
 import pickle
-import struct
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from checkpoint_io._errors import CheckpointError, first_line
+from checkpoint_io._format.archive import stored_members
 from checkpoint_io._format.metadata import DTYPE_NAMES
 from checkpoint_io._format.values import pickle_globals
 
@@ -28,15 +28,21 @@ def zip_crc32(enabled: bool) -> Iterator[None]:
 
     A tensor record is written without it where a rank waits on the write: it costs about
     16 ms per 75 MB here (4.7 GB/s), four times the record's digest that checkpoint-io
-    records, and nothing checks it (``torch.load`` and DCP's reader ignore it: a flipped
-    byte loads silently; a verified load checks the digest). A value is written with it:
-    it is read with :mod:`zipfile`, which checks it. No reader here needs it
-    (:func:`tensor_record`, :func:`checkpoint_io._format.values.load_value`).
+    records, and nothing checks it (``torch.load``, with ``mmap`` or not, and DCP's reader
+    ignore it: a flipped byte loads silently; a verified load checks the digest). Values,
+    RNG and stateful files keep it, so that a reader that checks it (:mod:`zipfile`,
+    checkpoint-io before 2026-12) reads them. No reader here needs it (:func:`tensor_record`,
+    :func:`checkpoint_io._format.values.load_value`).
 
-    torch's option is the process's: a ``torch.save`` in another thread meanwhile follows
-    it too. It is set back as found unless another thread changed it meanwhile.
+    Nothing is done when the option already is ``enabled``. torch's option is the process's
+    up to torch 2.12 (a ``torch.save`` in another thread meanwhile follows it too) and the
+    thread's from torch 2.13 (DCP's writer threads, were ``thread_count`` above 1, would
+    compute it); it is set back as found unless another thread changed it meanwhile.
     """
     before = torch.serialization.get_crc32_options()
+    if before == enabled:
+        yield
+        return
     torch.serialization.set_crc32_options(enabled)
     try:
         yield
@@ -62,7 +68,7 @@ def tensor_record(data: memoryview, what: str) -> torch.Tensor | None:
         CheckpointError: Naming ``what`` when the pickle is refused by torch's unpickler or
             a storage does not match its member.
     """
-    members = _stored_members(data)
+    members = stored_members(data)
     if members is None:
         return None
     pickles = [name for name in members if name.endswith("/data.pkl")]
@@ -141,54 +147,3 @@ def _tensor_global(module: str, name: str) -> bool:
     if (module, name) in _TENSOR_GLOBALS:
         return True
     return module == "torch" and (name.endswith("Storage") or name in DTYPE_NAMES)
-
-
-_EOCD = struct.Struct("<4s4H2LH")  # end of central directory: 22 bytes
-_ENTRY = struct.Struct("<4s6H3L5H2L")  # central directory entry: 46 bytes, then the name
-_LOCAL = struct.Struct("<4s5H3L2H")  # local header: 30 bytes, then name and extra
-_ZIP64 = 0xFFFFFFFF  # a field saturated: its value is in a zip64 record (count: 0xFFFF)
-
-
-def _stored_members(data: memoryview) -> dict[str, tuple[int, int]] | None:
-    """Name -> (offset, size) of each member of a zip that stores them all, or ``None``.
-
-    Read from the central directory (torch.save writes no comment); every size and offset
-    must lie inside ``data``. ``None`` for anything else (zip64, a compressed member).
-    """
-    if len(data) < _EOCD.size:
-        return None
-    end = len(data) - _EOCD.size
-    sig, _, _, _, count, directory_size, directory, _ = _EOCD.unpack(data[end:])
-    if sig != b"PK\x05\x06" or count == 0xFFFF or _ZIP64 in (directory_size, directory):
-        return None  # zip64 (a record of 4 GiB or more) and anything else: the slow path
-    if directory + directory_size > end:
-        return None
-    members: dict[str, tuple[int, int]] = {}
-    at = directory
-    for _ in range(count):
-        if at + _ENTRY.size > end:
-            return None
-        entry = _ENTRY.unpack(data[at : at + _ENTRY.size])
-        method, packed, size, name_len, extra_len, comment_len = (
-            entry[4],
-            entry[8],
-            entry[9],
-            entry[10],
-            entry[11],
-            entry[12],
-        )
-        local = entry[16]
-        if entry[0] != b"PK\x01\x02" or _ZIP64 in (packed, size, local):
-            return None
-        name = bytes(data[at + _ENTRY.size : at + _ENTRY.size + name_len]).decode(
-            "utf-8", "replace"
-        )
-        at += _ENTRY.size + name_len + extra_len + comment_len
-        if method != 0 or packed != size or local + _LOCAL.size > directory:
-            return None
-        header = _LOCAL.unpack(data[local : local + _LOCAL.size])
-        begin = local + _LOCAL.size + header[9] + header[10]
-        if header[0] != b"PK\x03\x04" or begin + size > directory:
-            return None
-        members[name] = (begin, size)
-    return members

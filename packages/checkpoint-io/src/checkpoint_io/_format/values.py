@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
-import struct
 import zipfile
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 
 from checkpoint_io._errors import CheckpointError, first_line
+from checkpoint_io._format.archive import directory_offset, member_bytes
 
 
 def load_value(
@@ -63,44 +63,29 @@ def _unbounded(data: bytes) -> str | None:
     """What in a ``torch.save`` payload could expand beyond its own size, or ``None``.
 
     torch writes an uncompressed zip: a compressed member (about 1,000:1 with deflate) or a
-    pickle that builds a ``bytearray`` is refused, as is anything that is not such a zip.
+    pickle that builds a ``bytearray`` is refused, as is anything that is not such a zip, or
+    one with bytes before it (:mod:`checkpoint_io._format.archive`: the scan would read
+    other members than ``torch.load`` then does).
     """
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
         members = archive.infolist()
     except (zipfile.BadZipFile, ValueError, OSError):
         return "data that is not torch.save's format (an uncompressed zip)"
+    if directory_offset(data) != archive.start_dir:  # two readers, two archives
+        return "bytes before its zip directory (zipfile and torch would read different members)"
     for member in members:
         if member.compress_type != zipfile.ZIP_STORED:
             return f"a compressed record ({member.filename})"
     for member in members:
         if member.filename.endswith("data.pkl"):
-            pickled = _stored(data, member)
+            pickled = member_bytes(data, member.header_offset, member.compress_size)
             if pickled is None:
                 return f"a record that is not where its zip directory says ({member.filename})"
             found = _refused_global(pickled)
             if found is not None:
                 return found
     return None
-
-
-_LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature; the name's and extra field's lengths
-
-
-def _stored(data: bytes, member: zipfile.ZipInfo) -> bytes | None:
-    """A stored member's bytes, read where its local header says, or ``None``.
-
-    No CRC32 is checked: a tensor record may have none
-    (:func:`checkpoint_io._format.records.zip_crc32`).
-    """
-    start = member.header_offset
-    if start < 0 or start + _LOCAL_HEADER.size > len(data):
-        return None
-    signature, name, extra = _LOCAL_HEADER.unpack_from(data, start)
-    begin = start + _LOCAL_HEADER.size + name + extra
-    if signature != b"PK\x03\x04" or begin + member.compress_size > len(data):
-        return None
-    return data[begin : begin + member.compress_size]
 
 
 def _refused_global(pickled: bytes) -> str | None:

@@ -154,7 +154,7 @@ class ClaimPlanner(DefaultSavePlanner):
         return super().create_global_plan(all_plans)
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
-        """DCP's, with a value's zip CRC32 kept (:mod:`zipfile` checks it).
+        """DCP's, with a value's zip CRC32 kept (readers that check it read it).
 
         A value is ``torch.save``'d into bytes here; a tensor is serialised later, by the
         writer, with or without its CRC32 (:func:`~checkpoint_io._format.records.zip_crc32`).
