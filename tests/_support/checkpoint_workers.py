@@ -235,6 +235,44 @@ def everything(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     if world_size == 2:  # the long-run checks name rank 1
         out.update(long_runs(rank, world_size, folder))
         out.update(per_rank_state(rank, folder))
+        out.update(replicated_async(rank, folder))
+    return out
+
+
+def replicated_async(rank: int, folder: str) -> dict[str, Any]:
+    """A DDP background save: each rank stages its share of the replicated state, and it
+    reads back exactly; ranks whose plain tensors differ are refused on every rank."""
+    from checkpoint_io._write import staging
+
+    root = Path(folder) / "replicated"
+    model = build("ddp", seed=11)
+    opt, sched = optimizer_for(model)
+    train(model, opt, sched, rank, range(1))
+    saved, moments = full(model), optimizer_snapshot(opt)
+    path = async_save_checkpoint(root / "a", model, opt, step=1).wait()
+    tensors = [*saved.values(), *(v for group in moments for v in group.values())]
+    out: dict[str, Any] = {
+        "replicated_staged": sum(
+            b.numel() * b.element_size() for b, _ in staging._BUFFERS.values()
+        ),
+        "replicated_whole": sum(t.numel() * t.element_size() for t in tensors),
+    }
+    fresh = build("ddp", seed=12)
+    opt2, _ = optimizer_for(fresh)
+    load_checkpoint(path, fresh, opt2)
+    out["replicated_exact"] = same(full(fresh), saved, exact=True) and all(
+        all(torch.equal(a[k], b[k]) for k in a)
+        for a, b in zip(optimizer_snapshot(opt2), moments, strict=True)
+    )
+    if rank == 1:  # a buffer rank 0 does not have
+        model.module.register_buffer("extra", torch.zeros(3, device=rank_device()))
+    try:
+        async_save_checkpoint(root / "b", model, opt, step=2).wait()
+        out["replicated_differ"] = "no error"
+    except CheckpointError as error:
+        out["replicated_differ"] = str(error)
+    dist.barrier()
+    out["replicated_left"] = sorted(p.name for p in root.iterdir())
     return out
 
 

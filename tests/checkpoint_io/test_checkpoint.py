@@ -630,6 +630,23 @@ def test_async_save_stages_then_writes(two_ranks: Any) -> None:
 
 
 @pytest.mark.multiprocess
+def test_a_ddp_background_save_stages_each_rank_s_share(two_ranks: Any) -> None:
+    """Each of 2 DDP ranks staged a share of the replicated state (together: all of it,
+    once) and the checkpoint reads back exactly; a rank with another buffer is refused on
+    every rank, naming it, before anything is written."""
+    results, _ = two_ranks
+    if len(results) != 2:
+        pytest.skip("a 2-rank case")
+    whole = results[0]["replicated_whole"]
+    staged = [rank["replicated_staged"] for rank in results]
+    assert sum(staged) == whole and max(staged) < 0.75 * whole, (staged, whole)
+    for rank in results:
+        assert rank["replicated_exact"] is True
+        assert "rank(s) [1] hold other plain (replicated) tensors" in rank["replicated_differ"]
+        assert rank["replicated_left"] == ["a"]
+
+
+@pytest.mark.multiprocess
 def test_sigterm_on_one_rank_saves_on_every_rank_and_exits_0(two_ranks: Any) -> None:
     results, _ = two_ranks
     for rank in results:

@@ -27,8 +27,8 @@ from checkpoint_io._write.claim import SaveClaim, claim_now
 from checkpoint_io._write.inflight import PendingCheckpoint, track
 from checkpoint_io._write.publish import begin, publishing_writer
 from checkpoint_io._write.save import collect_state, new_manifest
-from checkpoint_io._write.staging import stage
-from dist_core import is_distributed, log_rank0, rank
+from checkpoint_io._write.staging import replicated_share, stage
+from dist_core import is_distributed, log_rank0, rank, world_size
 from rng_fork import capture_rng_state
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,9 @@ def async_save_checkpoint(
     one or ``save_checkpoint``) first waits for the previous one.
 
     The staged copy lives in host buffers kept from one save to the next (allocated once in a
-    steady run): host memory of the size of this rank's state, held while the process runs.
+    steady run): host memory of the size of this rank's share, held while the process runs.
+    A rank stages its shards and its share of the replicated tensors (DCP writes one rank's
+    copy of each): with 2 DDP ranks, half the state each.
 
     Returns:
         A :class:`PendingCheckpoint`: ``wait()`` returns the path or re-raises a failure (on
@@ -65,8 +67,9 @@ def async_save_checkpoint(
     Raises:
         TypeError: If an argument has the wrong type.
         FileExistsError: If ``path`` exists and ``overwrite`` is false.
-        CheckpointError: If staging failed on any rank, or the previous background save
-            failed and was not waited for.
+        CheckpointError: If staging failed on any rank, the ranks' replicated tensors
+            differ (keys, shapes, dtypes), or the previous background save failed and was not
+            waited for.
     """
     return start_async_save(
         path, model, optimizer, step, extra, stateful, rng=rng, overwrite=overwrite
@@ -94,13 +97,15 @@ def start_async_save(
     started = time.perf_counter()
     state: dict[str, Any] = {}
     parts = rng_state = failure = None
+    layout = ""
     try:  # collected and staged, then agreed: a failure on any rank raises everywhere
         state, parts = collect_state(model, optimizer, stateful)
+        state, layout = replicated_share(state, rank(), world_size())
         rng_state = capture_rng_state(model_device(model)) if rng else None
         state = stage(state)  # host copies, off the tensors training will change
     except Exception as error:
         failure = error
-    partial = claim_now(target, overwrite, failure, parts)
+    partial = claim_now(target, overwrite, failure, parts, layout)
     manifest = new_manifest(model, optimizer, step, extra, parts, rng)
     group = gloo_group("background")
     writer = publishing_writer(

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from checkpoint_io._collective import agree, agreed
+from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.records import zip_crc32
 from checkpoint_io._state.stateful import StatefulParts
 from dist_core import rank
@@ -232,20 +233,38 @@ class _Planned:
 
 
 def claim_now(
-    target: Path, overwrite: bool, failure: BaseException | None, parts: StatefulParts | None
+    target: Path,
+    overwrite: bool,
+    failure: BaseException | None,
+    parts: StatefulParts | None,
+    layout: str,
 ) -> Path:
     """The claim settled by a collective of its own: a background save's, before it returns.
 
     A failure on any rank (``failure``, or rank 0's refusal to overwrite) raises on every
-    rank as :meth:`SaveClaim.raise_failure` would; ``parts.everyone`` is set.
+    rank as :meth:`SaveClaim.raise_failure` would; ``parts.everyone`` is set. ``layout``
+    (:func:`~checkpoint_io._write.staging.replicated_share`'s digest) must be the same on
+    every rank.
 
     Returns:
         The temporary directory (not yet made).
+
+    Raises:
+        CheckpointError: On every rank, if the ranks' layouts differ.
     """
     claimed = claim(target) if rank() == 0 else None
-    everyone = agree(failure, WHAT, share=(None if parts is None else parts.digests, claimed))
+    digests = None if parts is None else parts.digests
+    everyone = agree(failure, WHAT, share=(digests, claimed, layout))
+    differ = [index for index, (_, _, other) in enumerate(everyone) if other != everyone[0][2]]
+    if differ:
+        raise CheckpointError(
+            f"a background save of {str(target)!r}: rank(s) {differ} hold other plain "
+            "(replicated) tensors than rank 0 (keys, shapes or dtypes); each rank stages only "
+            "its share of them, so nothing was written. Build the model and optimizer alike "
+            "on every rank, or save with save_checkpoint"
+        )
     if parts is not None:
-        parts.everyone = [digests for digests, _ in everyone]
+        parts.everyone = [digests for digests, _, _ in everyone]
     return partial_for(target, overwrite, everyone[0][1])
 
 

@@ -26,6 +26,8 @@ import copy
 from typing import Any
 
 import torch
+import xxhash
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 _Path = tuple[Any, ...]
@@ -56,6 +58,40 @@ def stage(state: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.synchronize(device)  # its non-blocking device-to-host copies have landed
     require_host_only(staged)
     return staged
+
+
+def replicated_share(state: dict[str, Any], rank: int, world: int) -> tuple[dict[str, Any], str]:
+    """``state`` without the plain tensors that another rank stages; their layout's digest.
+
+    A plain tensor (not a ``DTensor``: a DDP model's, an optimizer's step) is the same on
+    every rank, and DCP writes one rank's copy (its dedup), chosen in its planning, after
+    staging: every rank staged all of them. Here the choice is made first, so that each
+    rank copies only its share (with 2 DDP ranks, half the state): the tensors held under a
+    key, in order, each to the rank with the fewest bytes so far. Every rank makes the same
+    choice as long as the ranks' layouts match (keys, shapes, dtypes, in order): the digest,
+    which the ranks compare when they agree on the claim. Tensors inside lists, values and
+    ``DTensor`` shards stay on every rank.
+    """
+    digest = xxhash.xxh3_128()
+    if world <= 1:
+        return state, digest.hexdigest()
+    load = [0] * world
+
+    def share(value: Any, path: _Path) -> Any:
+        if not isinstance(value, dict):
+            return value
+        kept: dict[Any, Any] = {}
+        for key, item in value.items():
+            if type(item) in (torch.Tensor, nn.Parameter):
+                digest.update(repr(((*path, key), tuple(item.shape), item.dtype)).encode())
+                owner = load.index(min(load))
+                load[owner] += item.numel() * item.element_size()
+                if owner != rank:
+                    continue
+            kept[key] = share(item, (*path, key))
+        return kept
+
+    return share(state, ()), digest.hexdigest()
 
 
 def pinned(source: torch.Tensor) -> bool:
