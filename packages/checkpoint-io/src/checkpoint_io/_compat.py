@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import inspect
 from typing import Any
 
 import torch
@@ -13,10 +14,12 @@ from torch.distributed.checkpoint.default_planner import (
     _EmptyStateDictLoadPlanner as EmptyStateDictLoadPlanner,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
 __all__ = [
     "CheckpointException",
     "EmptyStateDictLoadPlanner",
+    "async_save_staged",
     "dcp_failure",
     "default_group_timeout",
     "load_in_process",
@@ -61,3 +64,42 @@ def default_group_timeout() -> datetime.timedelta | None:
         except (AttributeError, RuntimeError):
             return None
     return timeout if isinstance(timeout, datetime.timedelta) else None
+
+
+def async_save_staged(state: dict[str, Any], writer: Any, group: Any, *, no_dist: bool) -> Any:
+    """``dcp.async_save`` of a state already staged in host memory: DCP copies nothing.
+
+    torch 2.7 and later take a stager (one that hands the state back as it is) and
+    ``no_dist``; torch 2.6 takes neither: it stages through the writer when the writer is a
+    stager (checkpoint-io's hands a staged state back as it is) and infers ``no_dist``.
+    """
+    if "async_stager" not in inspect.signature(dcp_async_save).parameters:  # torch 2.6
+        return dcp_async_save(state, storage_writer=writer, process_group=group)
+    return dcp_async_save(
+        state,
+        storage_writer=writer,
+        process_group=group,
+        async_stager=_AlreadyStaged(),
+        no_dist=no_dist,
+    )
+
+
+class _AlreadyStaged:
+    """DCP's stager protocol for a state that was staged already."""
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        """Nothing to synchronize: staging was done in the foreground."""
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The state as it is."""
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for."""
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -12,14 +12,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
 from checkpoint_io._collective import (
     gloo_group,
     quiet_single_process_notice_in_background,
     single_process_quiet,
 )
-from checkpoint_io._compat import CheckpointException, dcp_failure
+from checkpoint_io._compat import CheckpointException, async_save_staged, dcp_failure
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.manifest import PathLike
 from checkpoint_io._state.model import model_device
@@ -117,13 +116,7 @@ def start_async_save(
     )
     quiet_single_process_notice_in_background()
     with single_process_quiet():
-        upload = dcp_async_save(
-            state,
-            storage_writer=writer,
-            process_group=group,
-            async_stager=_AlreadyStaged(),
-            no_dist=not is_distributed(),
-        )
+        upload = async_save_staged(state, writer, group, no_dist=not is_distributed())
     staged_s = time.perf_counter() - started
 
     def complete() -> Path:
@@ -159,24 +152,3 @@ def start_async_save(
 
 # The thread that finishes background saves (one in flight, so one thread).
 _EXECUTOR = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-async")
-
-
-class _AlreadyStaged:
-    """DCP's stager protocol for a state that :func:`async_save_checkpoint` staged itself."""
-
-    _synchronize_after_execute = False
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        """Nothing to synchronize: staging was done in the foreground."""
-        return False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """The state as it is."""
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        """Nothing to wait for."""
-
-    def close(self) -> None:
-        """Nothing to release."""

@@ -86,11 +86,19 @@ class HashingWriter(ClaimingWriter):
         super().__init__(claim, per_thread_copy_ahead=0 if host_only else 10_000_000)
         self.root = claim.target  # the temporary directory once the plans are settled
         self.device = device
+        self.host_only = host_only
         self.zip_crc32 = zip_crc32
         self.fs: _HashingFileSystem = _HashingFileSystem()
         self._side_files = side_files
         self._publish = publish
         self._written = written
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A staged state (``host_only``) as it is; otherwise DCP's copy to the host.
+
+        torch 2.6's ``dcp.async_save`` stages through its writer.
+        """
+        return state_dict if self.host_only else super().stage(state_dict)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's files; their table goes to the coordinator with the results.

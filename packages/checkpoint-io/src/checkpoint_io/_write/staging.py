@@ -63,14 +63,15 @@ def stage(state: dict[str, Any]) -> dict[str, Any]:
 def replicated_share(state: dict[str, Any], rank: int, world: int) -> tuple[dict[str, Any], str]:
     """``state`` without the plain tensors that another rank stages; their layout's digest.
 
-    A plain tensor (not a ``DTensor``: a DDP model's, an optimizer's step) is the same on
-    every rank, and DCP writes one rank's copy (its dedup), chosen in its planning, after
-    staging: every rank staged all of them. Here the choice is made first, so that each
-    rank copies only its share (with 2 DDP ranks, half the state): the tensors held under a
-    key, in order, each to the rank with the fewest bytes so far. Every rank makes the same
-    choice as long as the ranks' layouts match (keys, shapes, dtypes, in order): the digest,
-    which the ranks compare when they agree on the claim. Tensors inside lists, values and
-    ``DTensor`` shards stay on every rank.
+    A plain tensor (not a ``DTensor``: a DDP model's, an optimizer's step) is held by every
+    rank, and DCP writes one rank's copy (its dedup), chosen in its planning, after staging:
+    every rank staged all of them. (A buffer that differs between ranks, such as BatchNorm's
+    running statistics under DDP, comes from one rank either way.) Here the choice is made
+    first, so that each rank copies only its share (with 2 DDP ranks, half the state): the
+    tensors held under a key, in order, each to the rank with the fewest bytes so far. Every
+    rank makes the same choice as long as the ranks' layouts match (keys, shapes, dtypes, in
+    order): the digest, which the ranks compare when they agree on the claim. Tensors inside
+    lists, values and ``DTensor`` shards stay on every rank.
     """
     digest = xxhash.xxh3_128()
     if world <= 1:
