@@ -244,9 +244,20 @@ class TestOneProcess:
         fresh.load_state_dict(state["model"])
         for key, value in model.state_dict().items():
             assert torch.equal(value, fresh.state_dict()[key]), key
-        with pytest.raises(FileExistsError):  # refused inside DCP's planning
-            save_checkpoint(path, model, optimizer, step=1)
-        assert torch.serialization.get_crc32_options()
+        import torch.distributed.checkpoint.filesystem as dcp_files
+
+        seen: list[bool] = []
+
+        def full_disk(*args: Any, **kwargs: Any) -> Any:  # inside DCP's write of a record
+            seen.append(torch.serialization.get_crc32_options())
+            raise OSError("disk full (simulated)")
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(dcp_files, "_write_item", full_disk)
+            with pytest.raises(CheckpointError, match="disk full"):
+                save_checkpoint(path, model, optimizer, step=2, overwrite=True)
+        assert seen == [False] and torch.serialization.get_crc32_options()
+        assert load_checkpoint(path, Small()).step == 1  # the old checkpoint stands
         torch.serialization.set_crc32_options(False)
         try:
             save_checkpoint(path, model, optimizer, step=1, overwrite=True)
@@ -340,7 +351,9 @@ class TestOneProcess:
         manifest = json.loads((path / "checkpoint.json").read_text())
         data = path / "__0_0.distcp"
         content = bytearray(data.read_bytes())
-        content[-10] ^= 0x01  # one bit, same size: a digest catches it, a size check cannot
+        weight = model.state_dict()["body.weight"].numpy().tobytes()
+        assert content.count(weight) == 1
+        content[content.find(weight) + 5] ^= 0x01  # one bit of a weight: the digest alone sees it
         data.write_bytes(bytes(content))
         target = Small()
         before = {k: v.clone() for k, v in target.state_dict().items()}

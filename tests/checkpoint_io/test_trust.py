@@ -493,77 +493,146 @@ class TestBoundedValues:
             load_value(squeezed.getvalue(), "the deflated value")
         assert load_value(plain.getvalue(), "a plain value") == {"lr": 0.1}
 
-    def test_a_zip_that_zipfile_and_torch_read_differently_is_refused(self) -> None:
-        """A value with two central directories: the end record points torch's reader at the
-        first (a bytearray), while zipfile, which shifts offsets by the bytes it finds before
-        the archive, read the second (benign) and let the bytearray through (found by a
-        review). The scan now requires the directory where the end record puts it."""
+    def test_a_value_is_scanned_as_torch_reads_it(self) -> None:
+        """Three values crafted so that Python's zipfile, which the scan read, and torch's
+        reader see different pickles: torch loads a bytearray from each (checked here), and
+        the scan, which now reads the archive as torch does, refuses each (found by reviews).
+        Two central directories (zipfile shifts offsets by the bytes before the second); the
+        pickle named DATA.PKL (torch finds it ignoring case); two zip64 end records (torch
+        follows the locator, zipfile takes the one before it)."""
         import io
-        import struct
-        import zipfile
-        import zlib
 
         from checkpoint_io._format.values import load_value
 
-        def members(value: object) -> list[tuple[str, bytes]]:
-            buffer = io.BytesIO()
-            torch.save(value, buffer)
-            with zipfile.ZipFile(buffer) as archive:
-                return [(item.filename, archive.read(item)) for item in archive.infolist()]
+        bomb, benign = _members(bytearray(16)), _members({"x": 1})
+        crafted = {
+            "two directories": _two_directories(bomb, benign),
+            "DATA.PKL": _archive([(n.replace("data.pkl", "DATA.PKL"), d) for n, d in bomb]),
+            "two zip64 end records": _two_zip64_ends(bomb, benign),
+        }
+        for label, data in crafted.items():
+            assert isinstance(torch.load(io.BytesIO(data), weights_only=True), bytearray), label
+            with pytest.raises(CheckpointError, match="refused as unsafe: it holds"):
+                load_value(data, label)
+        assert load_value(_archive(benign), "the benign value") == {"x": 1}
 
-        def local(name: str, data: bytes) -> bytes:
-            head = (0x04034B50, 20, 0, 0, 0, 0, zlib.crc32(data), len(data), len(data))
-            return struct.pack("<IHHHHHIIIHH", *head, len(name), 0) + name.encode() + data
-
-        def central(name: str, data: bytes, offset: int, comment: bytes = b"") -> bytes:
-            head = (0x02014B50, 20, 20, 0, 0, 0, 0, zlib.crc32(data), len(data), len(data))
-            tail = (len(name), 0, len(comment), 0, 0, 0, offset)
-            return struct.pack("<IHHHHHHIIIHHHHHII", *head, *tail) + name.encode() + comment
-
-        bomb, benign = members(bytearray(16)), members({"x": 1})
-        out, at_bomb, at_benign = b"", [], []
-        for name, data in bomb:
-            at_bomb.append(len(out))
-            out += local(name, data)
-        for name, data in benign:
-            at_benign.append(len(out))
-            out += local(name, data)
-        first = b"".join(central(n, d, o) for (n, d), o in zip(bomb, at_bomb, strict=True))
-        second = [
-            central(n, d, o - len(first)) for (n, d), o in zip(benign, at_benign, strict=True)
-        ]
-        pad = len(first) - len(b"".join(second))
-        assert pad >= 0
-        (name, data), offset = benign[-1], at_benign[-1]
-        second[-1] = central(name, data, offset - len(first), b" " * pad)
-        directory = len(out)
-        out += first + b"".join(second)
-        out += struct.pack(
-            "<IHHHHIIH", 0x06054B50, 0, 0, len(bomb), len(bomb), len(first), directory, 0
-        )
-        assert isinstance(torch.load(io.BytesIO(out), weights_only=True), bytearray)  # torch's view
-        with pytest.raises(CheckpointError, match="refused as unsafe: it holds bytes before its"):
-            load_value(out, "the crafted value")
-
-    def test_the_directory_is_found_through_zip64_end_records(
+    def test_a_zip64_archive_is_read_as_zipfile_reads_a_plain_one(
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """Where the end record defers to zip64's (a value of 4 GiB or more), the directory's
-        place is read from it: where zipfile finds it, so such a value is not refused."""
+        """Where the end record and the entries defer to zip64 records (a value of 4 GiB or
+        more), the members are read from them: the bytes zipfile reads; truncated, nothing."""
         import io
         import zipfile
 
-        from checkpoint_io._format.archive import directory_offset
+        from checkpoint_io._format.archive import read_archive
 
         monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 16)  # zip64 records for a small archive
         buffer = io.BytesIO()
         with zipfile.ZipFile(buffer, "w") as archive:
             archive.writestr("archive/data.pkl", b"x" * 100)
+            archive.writestr("archive/data/0", b"y" * 64)
         data = buffer.getvalue()
         assert data[-42:-38] == b"PK\x06\x07"  # the zip64 locator before the end record
         data = data[:-6] + b"\xff" * 4 + data[-2:]  # the end record defers to zip64's
-        assert directory_offset(data) == zipfile.ZipFile(io.BytesIO(data)).start_dir > 0
-        assert directory_offset(data[:-1]) is None
+        found = read_archive(data)
+        assert found is not None and found.zip64
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            for name, member in found.members.items():
+                assert data[member.begin : member.begin + member.size] == archive.read(name)
+        assert sorted(found.members) == ["archive/data.pkl", "archive/data/0"]
+        assert read_archive(data[:-1]) is None
+
+
+def _members(value: object) -> list[tuple[str, bytes]]:
+    """The members of ``torch.save(value)``, name and bytes."""
+    import io
+    import zipfile
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    with zipfile.ZipFile(buffer) as archive:
+        return [(item.filename, archive.read(item)) for item in archive.infolist()]
+
+
+def _local(name: str, data: bytes) -> bytes:
+    import struct
+    import zlib
+
+    head = (0x04034B50, 20, 0, 0, 0, 0, zlib.crc32(data), len(data), len(data))
+    return struct.pack("<IHHHHHIIIHH", *head, len(name), 0) + name.encode() + data
+
+
+def _central(name: str, data: bytes, offset: int, comment: bytes = b"") -> bytes:
+    import struct
+    import zlib
+
+    head = (0x02014B50, 20, 20, 0, 0, 0, 0, zlib.crc32(data), len(data), len(data))
+    tail = (len(name), 0, len(comment), 0, 0, 0, offset)
+    return struct.pack("<IHHHHHHIIIHHHHHII", *head, *tail) + name.encode() + comment
+
+
+def _end(count: int, size: int, offset: int) -> bytes:
+    import struct
+
+    return struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, size, offset, 0)
+
+
+def _archive(members: list[tuple[str, bytes]]) -> bytes:
+    """A plain archive of ``members``, as torch.save lays one out."""
+    out, offsets = b"", []
+    for name, data in members:
+        offsets.append(len(out))
+        out += _local(name, data)
+    directory = b"".join(_central(n, d, o) for (n, d), o in zip(members, offsets, strict=True))
+    return out + directory + _end(len(members), len(directory), len(out))
+
+
+def _two_directories(bomb: list[tuple[str, bytes]], benign: list[tuple[str, bytes]]) -> bytes:
+    """The end record points at the bomb's directory; zipfile, shifting every offset by the
+    length of that directory, reads the benign one after it."""
+    out, at_bomb, at_benign = b"", [], []
+    for name, data in bomb:
+        at_bomb.append(len(out))
+        out += _local(name, data)
+    for name, data in benign:
+        at_benign.append(len(out))
+        out += _local(name, data)
+    first = b"".join(_central(n, d, o) for (n, d), o in zip(bomb, at_bomb, strict=True))
+    second = [_central(n, d, o - len(first)) for (n, d), o in zip(benign, at_benign, strict=True)]
+    pad = len(first) - len(b"".join(second))
+    assert pad >= 0
+    (name, data), offset = benign[-1], at_benign[-1]
+    second[-1] = _central(name, data, offset - len(first), b" " * pad)
+    return out + first + b"".join(second) + _end(len(bomb), len(first), len(out))
+
+
+def _two_zip64_ends(bomb: list[tuple[str, bytes]], benign: list[tuple[str, bytes]]) -> bytes:
+    """The locator points at a zip64 end record giving the bomb's directory; the one just
+    before the locator (zipfile's) gives it shifted onto the benign pickle."""
+    import struct
+
+    out, offsets = b"", []
+    for name, data in bomb:
+        offsets.append(len(out))
+        out += _local(name, data)
+    pickle_at = next(o for (n, _), o in zip(bomb, offsets, strict=True) if n.endswith("data.pkl"))
+    size = len(next(d for n, d in bomb if n.endswith("data.pkl")))
+    harmless = next(d for n, d in benign if n.endswith("data.pkl"))
+    shift = len(out) - pickle_at
+    out += _local("archive/data.pkl", harmless + b"\0" * max(0, size - len(harmless)))
+    directory = b"".join(_central(n, d, o) for (n, d), o in zip(bomb, offsets, strict=True))
+
+    def zip64_end(offset: int) -> bytes:
+        n = len(bomb)
+        return struct.pack(
+            "<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, n, n, len(directory), offset
+        )
+
+    record = len(out)
+    out += zip64_end(record + 56) + directory + zip64_end(record + 56 - shift)
+    locator = struct.pack("<IIQI", 0x07064B50, 0, record, 1)
+    saturated = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, *(2 * [0xFFFFFFFF]), 0)
+    return out + locator + saturated
 
 
 def test_a_new_root_is_durable_on_the_first_save(

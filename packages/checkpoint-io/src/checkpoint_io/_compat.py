@@ -69,9 +69,10 @@ def default_group_timeout() -> datetime.timedelta | None:
 def async_save_staged(state: dict[str, Any], writer: Any, group: Any, *, no_dist: bool) -> Any:
     """``dcp.async_save`` of a state already staged in host memory: DCP copies nothing.
 
-    torch 2.7 and later take a stager (one that hands the state back as it is) and
-    ``no_dist``; torch 2.6 takes neither: it stages through the writer when the writer is a
-    stager (checkpoint-io's hands a staged state back as it is) and infers ``no_dist``.
+    Where ``dcp.async_save`` takes a stager (one that hands the state back as it is) and
+    ``no_dist``, both are given; torch 2.6's takes neither: it stages through the writer when
+    the writer is a stager (checkpoint-io's hands a staged state back as it is) and infers
+    ``no_dist``. Checked by the signature, not the version.
     """
     if "async_stager" not in inspect.signature(dcp_async_save).parameters:  # torch 2.6
         return dcp_async_save(state, storage_writer=writer, process_group=group)

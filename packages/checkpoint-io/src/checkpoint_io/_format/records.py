@@ -37,7 +37,8 @@ def zip_crc32(enabled: bool) -> Iterator[None]:
     Nothing is done when the option already is ``enabled``. torch's option is the process's
     up to torch 2.12 (a ``torch.save`` in another thread meanwhile follows it too) and the
     thread's from torch 2.13 (DCP's writer threads, were ``thread_count`` above 1, would
-    compute it); it is set back as found unless another thread changed it meanwhile.
+    compute it). It is set back as found, unless it no longer reads as set here (another
+    thread set it back meanwhile: that thread's choice stands).
     """
     before = torch.serialization.get_crc32_options()
     if before == enabled:

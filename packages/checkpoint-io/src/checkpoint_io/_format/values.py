@@ -5,14 +5,13 @@ from __future__ import annotations
 import io
 import pickle
 import pickletools
-import zipfile
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from checkpoint_io._errors import CheckpointError, first_line
-from checkpoint_io._format.archive import directory_offset, member_bytes
+from checkpoint_io._format.archive import read_archive
 
 
 def load_value(
@@ -63,26 +62,19 @@ def _unbounded(data: bytes) -> str | None:
     """What in a ``torch.save`` payload could expand beyond its own size, or ``None``.
 
     torch writes an uncompressed zip: a compressed member (about 1,000:1 with deflate) or a
-    pickle that builds a ``bytearray`` is refused, as is anything that is not such a zip, or
-    one with bytes before it (:mod:`checkpoint_io._format.archive`: the scan would read
-    other members than ``torch.load`` then does).
+    pickle that builds a ``bytearray`` is refused, as is anything that is not such a zip. The
+    archive is read as torch reads it (:mod:`checkpoint_io._format.archive`), and every
+    member torch could take for the pickle is scanned (torch finds ``data.pkl`` ignoring case).
     """
-    try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-        members = archive.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError):
-        return "data that is not torch.save's format (an uncompressed zip)"
-    if directory_offset(data) != archive.start_dir:  # two readers, two archives
-        return "bytes before its zip directory (zipfile and torch would read different members)"
-    for member in members:
-        if member.compress_type != zipfile.ZIP_STORED:
-            return f"a compressed record ({member.filename})"
-    for member in members:
-        if member.filename.endswith("data.pkl"):
-            pickled = member_bytes(data, member.header_offset, member.compress_size)
-            if pickled is None:
-                return f"a record that is not where its zip directory says ({member.filename})"
-            found = _refused_global(pickled)
+    archive = read_archive(data)
+    if archive is None:
+        return "data that is not torch.save's format (an uncompressed zip, as torch writes it)"
+    for name, member in archive.members.items():
+        if not member.stored:
+            return f"a compressed record ({name})"
+    for name, member in archive.members.items():
+        if name.lower().endswith("data.pkl"):
+            found = _refused_global(data[member.begin : member.begin + member.size])
             if found is not None:
                 return found
     return None

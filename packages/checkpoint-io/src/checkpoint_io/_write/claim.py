@@ -157,7 +157,7 @@ class ClaimPlanner(DefaultSavePlanner):
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
         """DCP's, with a value's zip CRC32 kept (readers that check it read it).
 
-        A value is ``torch.save``'d into bytes here; a tensor is serialised later, by the
+        A value is ``torch.save``'d into bytes here; a tensor is serialized later, by the
         writer, with or without its CRC32 (:func:`~checkpoint_io._format.records.zip_crc32`).
         """
         if write_item.type != WriteItemType.BYTE_IO:
@@ -257,11 +257,13 @@ def claim_now(
     everyone = agree(failure, WHAT, share=(digests, claimed, layout))
     differ = [index for index, (_, _, other) in enumerate(everyone) if other != everyone[0][2]]
     if differ:
+        found = "; ".join(f"rank {i}: {everyone[i][2]}" for i in [0, *differ])
         raise CheckpointError(
             f"a background save of {str(target)!r}: rank(s) {differ} hold other plain "
-            "(replicated) tensors than rank 0 (keys, shapes or dtypes); each rank stages only "
-            "its share of them, so nothing was written. Build the model and optimizer alike "
-            "on every rank, or save with save_checkpoint"
+            f"(replicated) tensors than rank 0, in keys, shapes or dtypes ({found}); each rank "
+            "stages only its share of them, so nothing was written. Build the model and "
+            "optimizer alike on every rank, or save with save_checkpoint (which writes one "
+            "rank's copy of each)"
         )
     if parts is not None:
         parts.everyone = [digests for digests, _, _ in everyone]

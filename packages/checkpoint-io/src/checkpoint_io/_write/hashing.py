@@ -65,7 +65,7 @@ class HashingWriter(ClaimingWriter):
             (by rank).
         device: This rank's device (the model's); ``None`` or CPU: nothing to enter.
         host_only: Every tensor written is already in host memory (a staged state).
-        zip_crc32: ``torch.save`` computes each tensor record's zip CRC32 (a rank that
+        tensor_crc32: ``torch.save`` computes each tensor record's zip CRC32 (a rank that
             waits on the write does without: :func:`~checkpoint_io._format.records.zip_crc32`).
         written: Called on each rank once all its files are written and hashed.
     """
@@ -78,7 +78,7 @@ class HashingWriter(ClaimingWriter):
         *,
         device: torch.device | None = None,
         host_only: bool = False,
-        zip_crc32: bool = True,
+        tensor_crc32: bool = True,
         written: Callable[[], None] | None = None,
     ) -> None:
         # per_thread_copy_ahead=0 makes DCP copy with its serial loader, which leaves host
@@ -87,7 +87,7 @@ class HashingWriter(ClaimingWriter):
         self.root = claim.target  # the temporary directory once the plans are settled
         self.device = device
         self.host_only = host_only
-        self.zip_crc32 = zip_crc32
+        self.tensor_crc32 = tensor_crc32
         self.fs: _HashingFileSystem = _HashingFileSystem()
         self._side_files = side_files
         self._publish = publish
@@ -119,7 +119,7 @@ class HashingWriter(ClaimingWriter):
         side = _SUMMING.submit(_flushed, self.root, names)
         try:
             # DCP's thread: this rank's device, not device 0
-            with on_device(self.device), zip_crc32(self.zip_crc32):
+            with on_device(self.device), zip_crc32(self.tensor_crc32):
                 results = super().write_data(settled, planner).wait()
         except BaseException:
             concurrent.futures.wait([side])  # nothing writes once the save has failed

@@ -50,7 +50,7 @@ def publishing_writer(
     *,
     device: torch.device | None,
     host_only: bool = False,
-    zip_crc32: bool = True,
+    tensor_crc32: bool = True,
 ) -> HashingWriter:
     """DCP's writer for ``claim``'s save that publishes it when DCP commits.
 
@@ -66,7 +66,7 @@ def publishing_writer(
         functools.partial(_seal, claim),
         device=device,
         host_only=host_only,
-        zip_crc32=zip_crc32,
+        tensor_crc32=tensor_crc32,
         written=functools.partial(_test_kill, claim.target),
     )
 

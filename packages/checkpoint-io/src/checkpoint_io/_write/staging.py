@@ -61,7 +61,7 @@ def stage(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def replicated_share(state: dict[str, Any], rank: int, world: int) -> tuple[dict[str, Any], str]:
-    """``state`` without the plain tensors that another rank stages; their layout's digest.
+    """``state`` without the plain tensors that another rank stages; their layout, in words.
 
     A plain tensor (not a ``DTensor``: a DDP model's, an optimizer's step) is held by every
     rank, and DCP writes one rank's copy (its dedup), chosen in its planning, after staging:
@@ -70,12 +70,13 @@ def replicated_share(state: dict[str, Any], rank: int, world: int) -> tuple[dict
     first, so that each rank copies only its share (with 2 DDP ranks, half the state): the
     tensors held under a key, in order, each to the rank with the fewest bytes so far. Every
     rank makes the same choice as long as the ranks' layouts match (keys, shapes, dtypes, in
-    order): the digest, which the ranks compare when they agree on the claim. Tensors inside
-    lists, values and ``DTensor`` shards stay on every rank.
+    order): the layout (their count, bytes and digest), which the ranks compare when they
+    agree on the claim. Tensors inside lists, values and ``DTensor`` shards stay on every
+    rank.
     """
     digest = xxhash.xxh3_128()
     if world <= 1:
-        return state, digest.hexdigest()
+        return state, ""
     load = [0] * world
 
     def share(value: Any, path: _Path) -> Any:
@@ -92,7 +93,8 @@ def replicated_share(state: dict[str, Any], rank: int, world: int) -> tuple[dict
             kept[key] = share(item, (*path, key))
         return kept
 
-    return share(state, ()), digest.hexdigest()
+    shared = share(state, ())
+    return shared, f"{sum(load)} bytes of plain tensors, layout {digest.hexdigest()}"
 
 
 def pinned(source: torch.Tensor) -> bool:
