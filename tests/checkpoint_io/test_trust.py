@@ -543,6 +543,124 @@ class TestBoundedValues:
         assert read_archive(data[:-1]) is None
 
 
+class TestRedTeamValues:
+    """What a second red team found past the value scan and the tensor fast path (each was
+    accepted, or built something torch.load refuses, before the fix)."""
+
+    def test_an_old_format_pickle_before_a_zip_is_refused(self) -> None:
+        """torch.load reads data that does not start with a zip header as its legacy format
+        (pickles from the first byte): an old-format bytearray pickle followed by an end
+        record, or by a whole benign zip, passed a scan that read the zip from its end."""
+        import io
+
+        from checkpoint_io._format.values import load_value
+
+        legacy = io.BytesIO()
+        torch.save(bytearray(16), legacy, _use_new_zipfile_serialization=False)
+        benign = _archive(_members({"lr": 0.1}))
+        for label, data in {
+            "an end record": legacy.getvalue() + _end(0, 0, 0),
+            "a benign zip": legacy.getvalue() + benign,
+        }.items():
+            assert isinstance(torch.load(io.BytesIO(data), weights_only=True), bytearray), label
+            with pytest.raises(CheckpointError, match="not torch.save's format"):
+                load_value(data, label)
+
+    def test_tensor_constructors_are_refused(self) -> None:
+        """torch.ByteTensor(n) under weights_only makes n bytes of a few (a 266-byte value,
+        a 2 GB tensor); no torch.save pickle names a tensor constructor."""
+        import io
+        import struct
+
+        from checkpoint_io._format.values import load_value
+
+        for name in (b"ByteTensor", b"FloatTensor", b"Tensor"):
+            pickled = b"\x80\x02ctorch\n" + name + b"\nJ" + struct.pack("<i", 16) + b"\x85R."
+            data = _archive([("archive/data.pkl", pickled), ("archive/version", b"3\n")])
+            assert torch.load(io.BytesIO(data), weights_only=True).numel() == 16  # torch's view
+            with pytest.raises(CheckpointError, match=f"it holds a {name.decode()}, which"):
+                load_value(data, name.decode())
+
+    def test_shared_references_are_visited_once_and_sets_and_keys_looked_into(self) -> None:
+        """Ten references per level made 10^depth visits (3 s for 1.4 KB at depth 7; depth 12
+        would take days); a buffer in a set or used as a key was not checked."""
+        import io
+        import time
+
+        from checkpoint_io._format.values import load_value
+
+        nested: list[object] = []
+        for _ in range(12):
+            nested = [nested] * 10
+        started = time.perf_counter()
+        loaded = load_value(_saved(nested), "the nested value")
+        assert isinstance(loaded, list) and len(loaded) == 10 and loaded[0] is loaded[1]
+        assert time.perf_counter() - started < 5  # 10^12 visits without the fix
+        bomb = io.BytesIO(_saved({"blob": bytearray(4)}))
+        for label, value in (("in a set", {bomb}), ("as a key", {bomb: 1})):
+            with pytest.raises(CheckpointError, match="holds a bytearray"):
+                load_value(_saved(value), label)
+
+    def test_the_fast_path_reads_records_as_torch_does_or_leaves_them(self) -> None:
+        """A record whose storage is smaller than its tensor (empty, or copied when misaligned)
+        grew to hold it, uninitialized, where torch.load refuses it; a member named
+        BYTEORDER (torch finds it ignoring case: big-endian) was ignored, the tensor read
+        little-endian. Now the first is refused and the second left to torch's own path."""
+        import io
+
+        from checkpoint_io._format.records import tensor_record
+
+        empty = [
+            ("archive/data.pkl", _tensor_pickle("0", 0, (1000,))),
+            ("archive/data/0", b""),
+            ("archive/version", b"3\n"),
+        ]
+        with pytest.raises(RuntimeError, match="not resizable"):
+            torch.load(io.BytesIO(_archive(empty)), weights_only=True)
+        with pytest.raises(CheckpointError, match="asks for more than its storage '0' holds"):
+            tensor_record(memoryview(bytearray(_archive(empty))), "the empty record")
+        swapped = [
+            (name.replace("byteorder", "BYTEORDER"), b"big" if name.endswith("byteorder") else d)
+            for name, d in _members(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        ]
+        data = _archive(swapped)
+        assert not torch.equal(torch.load(io.BytesIO(data), weights_only=True), torch.ones(4))
+        assert tensor_record(memoryview(bytearray(data)), "the swapped record") is None
+
+
+def _saved(value: object) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _tensor_pickle(key: str, numel: int, size: tuple[int, ...]) -> bytes:
+    """The pickle of a float tensor of ``size`` over storage ``key`` of ``numel`` elements."""
+    import collections
+    import io
+    import pickle
+
+    class Storage:
+        pass
+
+    class Tensor:
+        def __reduce__(self) -> tuple[object, ...]:
+            args = (Storage(), 0, size, (1,) * len(size), False, collections.OrderedDict())
+            return (torch._utils._rebuild_tensor_v2, args)
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: object) -> object:
+            if isinstance(obj, Storage):
+                return ("storage", torch.FloatStorage, key, "cpu", numel)
+            return None
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=2).dump(Tensor())
+    return buffer.getvalue()
+
+
 def _members(value: object) -> list[tuple[str, bytes]]:
     """The members of ``torch.save(value)``, name and bytes."""
     import io

@@ -8,11 +8,13 @@ finds before the archive, and takes the zip64 end record just before the locator
 follows the locator. A scan through it was shown a benign pickle while torch loaded a
 ``bytearray`` (two directories; two zip64 end records: found by reviews).
 
-This parser is stricter than torch's, never looser: the end record closes the data (torch.save
-writes no comment), a zip64 end record sits right before its locator and agrees with the end
-record wherever that is not saturated, names are unique ignoring case (torch finds
-``data.pkl`` ignoring case), and every entry, local header and member lies inside the data.
-Anything else is not an archive torch.save wrote.
+This parser is stricter than torch's, never looser: the data starts with a local header (else
+``torch.load`` reads it as its legacy format, a series of pickles from the first byte, which
+no scan of a zip would see: an old-format pickle before an end record passed it), the end
+record closes the data (torch.save writes no comment), a zip64 end record sits right before
+its locator and agrees with the end record wherever that is not saturated, names are unique
+ignoring case (torch finds ``data.pkl`` ignoring case), and every entry, local header and
+member lies inside the data. Anything else is not an archive torch.save wrote.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def read_archive(data: bytes | memoryview) -> Archive | None:
     ``None`` where torch.save did not write it so (see the module's docstring).
     """
     end = len(data) - _EOCD.size
-    if end < 0:
+    if end < 0 or bytes(data[:4]) != b"PK\x03\x04":  # torch.load's own test for a zip
         return None
     sig, _, _, _, count, size, directory, comment = _EOCD.unpack_from(data, end)
     if sig != b"PK\x05\x06" or comment:

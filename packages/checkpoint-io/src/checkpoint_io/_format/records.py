@@ -70,12 +70,12 @@ def tensor_record(data: memoryview, what: str) -> torch.Tensor | None:
             a storage does not match its member.
     """
     members = stored_members(data)
-    if members is None:
-        return None
+    if members is None or any(name != name.lower() for name in members):
+        return None  # torch finds members ignoring case: its own path reads such a record
+    prefix = next(iter(members), "").partition("/")[0] + "/"  # torch's: the first member's
     pickles = [name for name in members if name.endswith("/data.pkl")]
-    if len(pickles) != 1:
+    if pickles != [f"{prefix}data.pkl"]:
         return None
-    prefix = pickles[0][: -len("data.pkl")]
     order = members.get(f"{prefix}byteorder")
     if order is not None and bytes(data[order[0] : order[0] + order[1]]) != b"little":
         return None
@@ -84,6 +84,7 @@ def tensor_record(data: memoryview, what: str) -> torch.Tensor | None:
     if not _plain_tensor_pickle(pickled):
         return None
     storages: dict[str, Any] = {}
+    sizes: dict[str, tuple[Any, int]] = {}  # each storage's bytes, and how many it had
 
     def storage(saved_id: Any) -> Any:
         _, kind, key, _location, numel = saved_id  # the location is ignored: read to the CPU
@@ -103,6 +104,7 @@ def tensor_record(data: memoryview, what: str) -> torch.Tensor | None:
             )
             if raw.data_ptr() % dtype.itemsize:  # a writer without torch's 64-byte alignment
                 raw = raw.clone()
+            sizes[key] = (raw.untyped_storage(), nbytes)
             storages[key] = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
                 wrap_storage=raw.untyped_storage(), dtype=dtype, _internal=True
             )
@@ -120,6 +122,12 @@ def tensor_record(data: memoryview, what: str) -> torch.Tensor | None:
         ) from None
     if type(value) is not torch.Tensor or value.layout != torch.strided or value.is_sparse:
         raise CheckpointError(f"{what} is not a dense tensor record; the checkpoint is corrupt")
+    grown = [key for key, (kept, nbytes) in sizes.items() if kept.nbytes() != nbytes]
+    if grown:  # torch's own storages cannot grow: it refuses such a record
+        raise CheckpointError(
+            f"{what} asks for more than its storage {grown[0]!r} holds ({sizes[grown[0]][1]} "
+            "bytes); the checkpoint is corrupt or crafted. Nothing was loaded"
+        )
     return value
 
 
