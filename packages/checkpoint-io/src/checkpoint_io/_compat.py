@@ -74,7 +74,7 @@ def async_save_staged(state: dict[str, Any], writer: Any, group: Any, *, no_dist
     the writer is a stager (checkpoint-io's hands a staged state back as it is) and infers
     ``no_dist``. Checked by the signature, not the version.
     """
-    if "async_stager" not in inspect.signature(dcp_async_save).parameters:  # torch 2.6
+    if not _TAKES_STAGER:  # torch 2.6
         return dcp_async_save(state, storage_writer=writer, process_group=group)
     return dcp_async_save(
         state,
@@ -83,6 +83,9 @@ def async_save_staged(state: dict[str, Any], writer: Any, group: Any, *, no_dist
         async_stager=_AlreadyStaged(),
         no_dist=no_dist,
     )
+
+
+_TAKES_STAGER = "async_stager" in inspect.signature(dcp_async_save).parameters
 
 
 class _AlreadyStaged:

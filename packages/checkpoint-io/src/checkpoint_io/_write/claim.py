@@ -243,8 +243,8 @@ def claim_now(
 
     A failure on any rank (``failure``, or rank 0's refusal to overwrite) raises on every
     rank as :meth:`SaveClaim.raise_failure` would; ``parts.everyone`` is set. ``layout``
-    (:func:`~checkpoint_io._write.staging.replicated_share`'s digest) must be the same on
-    every rank.
+    (:func:`~checkpoint_io._write.staging.replicated_share`'s) must be the same on every
+    rank.
 
     Returns:
         The temporary directory (not yet made).

@@ -70,13 +70,13 @@ def replicated_share(state: dict[str, Any], rank: int, world: int) -> tuple[dict
     first, so that each rank copies only its share (with 2 DDP ranks, half the state): the
     tensors held under a key, in order, each to the rank with the fewest bytes so far. Every
     rank makes the same choice as long as the ranks' layouts match (keys, shapes, dtypes, in
-    order): the layout (their count, bytes and digest), which the ranks compare when they
-    agree on the claim. Tensors inside lists, values and ``DTensor`` shards stay on every
-    rank.
+    order): the layout (their bytes and the digest of their keys, shapes and dtypes), which
+    the ranks compare when they agree on the claim. Tensors inside lists, values and
+    ``DTensor`` shards stay on every rank.
     """
-    digest = xxhash.xxh3_128()
     if world <= 1:
         return state, ""
+    digest = xxhash.xxh3_128()
     load = [0] * world
 
     def share(value: Any, path: _Path) -> Any:
