@@ -627,6 +627,57 @@ class TestRedTeamValues:
         assert not torch.equal(torch.load(io.BytesIO(data), weights_only=True), torch.ones(4))
         assert tensor_record(memoryview(bytearray(data)), "the swapped record") is None
 
+    def test_a_storage_class_is_never_called(self) -> None:
+        """weights_only admits calling torch.storage.UntypedStorage and TypedStorage: n bytes,
+        uninitialized, of a few (a tensor rebuilt over one holds freed memory, not saved
+        values). torch.save names a storage class only as a storage reference's type; a value
+        that uses one otherwise (called, memoized then called) is refused, and the fast path
+        leaves a tensor record that does (its hooks a called storage) to the value path."""
+        import io
+        import struct
+        import warnings
+
+        from checkpoint_io._format.records import tensor_record
+        from checkpoint_io._format.values import load_value
+
+        untyped, typed = b"ctorch.storage\nUntypedStorage\n", b"ctorch.storage\nTypedStorage\n"
+        size = b"J" + struct.pack("<i", 1 << 20) + b"\x85"  # (2**20,)
+
+        def over(storage: bytes) -> bytes:  # _rebuild_tensor_v2(storage(2**20), 0, (2**20,), ..)
+            rebuild = b"ctorch._utils\n_rebuild_tensor_v2\n("
+            hooks = b"K\x01\x85\x89ccollections\nOrderedDict\n)RtR"
+            return rebuild + storage + size + b"RK\x00" + size + hooks
+
+        crafted = {
+            "a call": untyped + size + b"R",
+            "a tensor over a call": over(typed),
+            "a memoized class, called": untyped + b"q\x00h\x00" + size + b"R",
+        }
+        for label, body in crafted.items():
+            pickled = b"\x80\x02" + body + b"."
+            data = _archive([("archive/data.pkl", pickled), ("archive/version", b"3\n")])
+            with warnings.catch_warnings():  # TypedStorage is deprecated
+                warnings.simplefilter("ignore")
+                built = torch.load(io.BytesIO(data), weights_only=True)
+            storage = built.untyped_storage() if isinstance(built, torch.Tensor) else built
+            assert storage.nbytes() >= 1 << 20, label  # allocated, not read from the record
+            with pytest.raises(CheckpointError, match="a storage class used other than"):
+                load_value(data, label)
+        # a dense record whose backward hooks are UntypedStorage(2**20): the fast path built it
+        saved = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x04tQ"
+        hooks = untyped + size + b"R"
+        rebuild = b"ctorch._utils\n_rebuild_tensor_v2\n(" + saved + b"K\x00K\x04\x85K\x01\x85\x89"
+        record = [
+            ("archive/data.pkl", b"\x80\x02" + rebuild + hooks + b"tR."),
+            ("archive/data/0", bytes(16)),
+            ("archive/version", b"3\n"),
+        ]
+        assert tensor_record(memoryview(bytearray(_archive(record))), "the record") is None
+        # as torch.save writes them: a storage reference's type, read back
+        for value in (torch.arange(4).untyped_storage(), torch.nn.Parameter(torch.ones(2))):
+            expected = torch.load(io.BytesIO(_saved(value)), weights_only=True)
+            assert type(load_value(_saved(value), "a saved value")) is type(expected)
+
 
 def _saved(value: object) -> bytes:
     import io

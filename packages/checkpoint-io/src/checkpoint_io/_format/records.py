@@ -19,7 +19,7 @@ import torch
 from checkpoint_io._errors import CheckpointError, first_line
 from checkpoint_io._format.archive import stored_members
 from checkpoint_io._format.metadata import DTYPE_NAMES
-from checkpoint_io._format.values import pickle_globals
+from checkpoint_io._format.pickles import pickle_globals, storage_outside_reference
 
 
 @contextlib.contextmanager
@@ -147,7 +147,8 @@ dtypes): anything else (a sparse, quantized or device-bound rebuild) takes the s
 def _plain_tensor_pickle(pickled: bytes) -> bool:
     """Whether a record's pickle names only the globals of a dense CPU tensor record."""
     try:
-        return all(g is not None and _tensor_global(*g) for g in pickle_globals(pickled))
+        named = all(g is not None and _tensor_global(*g) for g in pickle_globals(pickled))
+        return named and not storage_outside_reference(pickled)
     except Exception:  # malformed: the slow path refuses it with torch's reason
         return False
 

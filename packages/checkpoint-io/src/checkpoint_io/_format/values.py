@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import io
 import pickle
-import pickletools
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from checkpoint_io._errors import CheckpointError, first_line
 from checkpoint_io._format.archive import read_archive
+from checkpoint_io._format.pickles import pickle_globals, storage_outside_reference
 
 
 def load_value(
@@ -89,36 +88,21 @@ def _unbounded(data: bytes) -> str | None:
 
 
 def _refused_global(pickled: bytes) -> str | None:
-    """The first refused global a pickle names (``GLOBAL`` or ``STACK_GLOBAL``), or ``None``."""
+    """The first refused global a pickle names (``GLOBAL`` or ``STACK_GLOBAL``), or ``None``.
+
+    So is a storage class used other than as a storage reference's type (called, it makes
+    uninitialized memory of any size; see
+    :func:`~checkpoint_io._format.pickles.storage_outside_reference`).
+    """
     try:
         for found in pickle_globals(pickled):
             if found is not None and _refused(found):
                 return f"a {found[1]}"
+        if storage_outside_reference(pickled):
+            return "a storage class used other than as a saved storage's type"
     except Exception:  # malformed: torch's unpickler refuses it with its own reason
         return None
     return None
-
-
-def pickle_globals(pickled: bytes) -> Iterator[tuple[str, str] | None]:
-    """``(module, name)`` of every global a pickle names, in order, without running it.
-
-    ``None`` for a global whose name cannot be read from the stream (``INST``, ``OBJ``, a
-    ``STACK_GLOBAL`` without two strings before it).
-
-    Raises:
-        Exception: Whatever ``pickletools`` raises for a malformed pickle.
-    """
-    strings: list[str] = []
-    for opcode, arg, _ in pickletools.genops(pickled):
-        if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
-            strings.append(str(arg))
-        elif opcode.name == "GLOBAL":
-            module, _, name = str(arg).partition(" ")
-            yield module, name
-        elif opcode.name == "STACK_GLOBAL":
-            yield (strings[-2], strings[-1]) if len(strings) >= 2 else None
-        elif opcode.name in ("INST", "OBJ"):
-            yield None
 
 
 def _check_buffers(value: Any, what: str, depth: int = 0) -> None:
