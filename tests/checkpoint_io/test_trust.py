@@ -568,17 +568,33 @@ class TestRedTeamValues:
 
     def test_tensor_constructors_are_refused(self) -> None:
         """torch.ByteTensor(n) under weights_only makes n bytes of a few (a 266-byte value,
-        a 2 GB tensor); no torch.save pickle names a tensor constructor."""
+        a 2 GB tensor); no torch.save pickle names a legacy tensor constructor. torch.Tensor,
+        which torch.save names for a tensor with Python attributes, is refused where called."""
         import io
         import struct
+        import warnings
 
         from checkpoint_io._format.values import load_value
 
-        for name in (b"ByteTensor", b"FloatTensor", b"Tensor"):
-            pickled = b"\x80\x02ctorch\n" + name + b"\nJ" + struct.pack("<i", 16) + b"\x85R."
+        for module, name in (
+            (b"torch", b"ByteTensor"),
+            (b"torch", b"FloatTensor"),
+            (b"torch.sparse", b"FloatTensor"),
+            (b"torch", b"Tensor"),
+        ):
+            size = b"J" + struct.pack("<i", 16) + b"\x85"
+            pickled = b"\x80\x02c" + module + b"\n" + name + b"\n" + size + b"R."
             data = _archive([("archive/data.pkl", pickled), ("archive/version", b"3\n")])
-            assert torch.load(io.BytesIO(data), weights_only=True).numel() == 16  # torch's view
-            with pytest.raises(CheckpointError, match=f"it holds a {name.decode()}, which"):
+            with warnings.catch_warnings():  # torch.sparse's constructors are deprecated
+                warnings.simplefilter("ignore")
+                built = torch.load(io.BytesIO(data), weights_only=True)
+            assert built.shape[0] == 16  # torch's view
+            refusal = (
+                "the class torch.Tensor, used other than as torch.save uses it, which"
+                if name == b"Tensor"
+                else f"it holds a {name.decode()}, which"
+            )
+            with pytest.raises(CheckpointError, match=refusal):
                 load_value(data, name.decode())
 
     def test_shared_references_are_visited_once_and_sets_and_keys_looked_into(self) -> None:
@@ -630,9 +646,11 @@ class TestRedTeamValues:
     def test_a_storage_class_is_never_called(self) -> None:
         """weights_only admits calling torch.storage.UntypedStorage and TypedStorage: n bytes,
         uninitialized, of a few (a tensor rebuilt over one holds freed memory, not saved
-        values). torch.save names a storage class only as a storage reference's type; a value
-        that uses one otherwise (called, memoized then called) is refused, and the fast path
-        leaves a tensor record that does (its hooks a called storage) to the value path."""
+        values); so does torch.Tensor. torch.save names a storage class only as a storage
+        reference's type, and torch.Tensor only as _rebuild_from_type_v2's new_type; a value
+        that uses one otherwise (called, memoized then called, the rebuild's func) is refused,
+        and the fast path leaves a tensor record that does (its hooks a called storage) to the
+        value path; a tensor with Python attributes still loads."""
         import io
         import struct
         import warnings
@@ -661,7 +679,7 @@ class TestRedTeamValues:
                 built = torch.load(io.BytesIO(data), weights_only=True)
             storage = built.untyped_storage() if isinstance(built, torch.Tensor) else built
             assert storage.nbytes() >= 1 << 20, label  # allocated, not read from the record
-            with pytest.raises(CheckpointError, match="a storage class used other than"):
+            with pytest.raises(CheckpointError, match="used other than as torch.save uses it"):
                 load_value(data, label)
         # a dense record whose backward hooks are UntypedStorage(2**20): the fast path built it
         saved = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x04tQ"
@@ -673,10 +691,26 @@ class TestRedTeamValues:
             ("archive/version", b"3\n"),
         ]
         assert tensor_record(memoryview(bytearray(_archive(record))), "the record") is None
-        # as torch.save writes them: a storage reference's type, read back
-        for value in (torch.arange(4).untyped_storage(), torch.nn.Parameter(torch.ones(2))):
+        # as torch.save writes them: a storage reference's type, and torch.Tensor as the type
+        # of a tensor with Python attributes (_rebuild_from_type_v2's new_type), read back
+        annotated = torch.ones(2)
+        annotated.note = "kept"  # type: ignore[attr-defined]
+        for value in (torch.arange(4).untyped_storage(), torch.nn.Parameter(annotated), annotated):
             expected = torch.load(io.BytesIO(_saved(value)), weights_only=True)
             assert type(load_value(_saved(value), "a saved value")) is type(expected)
+        assert load_value(_saved(annotated), "the annotated tensor").note == "kept"
+        # torch.Tensor as _rebuild_from_type_v2's func: it calls torch.Tensor(2**20)
+        rebuild = b"ctorch._tensor\n_rebuild_from_type_v2\n("
+        tensor = b"ctorch\nTensor\n"
+        data = _archive(
+            [
+                ("archive/data.pkl", b"\x80\x02" + rebuild + tensor + tensor + size + b"}tR."),
+                ("archive/version", b"3\n"),
+            ]
+        )
+        assert torch.load(io.BytesIO(data), weights_only=True).numel() == 1 << 20
+        with pytest.raises(CheckpointError, match="the class torch.Tensor, used other than"):
+            load_value(data, "a called torch.Tensor")
 
 
 def _saved(value: object) -> bytes:

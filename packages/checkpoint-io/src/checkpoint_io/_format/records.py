@@ -20,7 +20,7 @@ import torch
 from checkpoint_io._errors import CheckpointError, first_line
 from checkpoint_io._format.archive import stored_members
 from checkpoint_io._format.metadata import DTYPE_NAMES
-from checkpoint_io._format.pickles import pickle_globals, storage_outside_reference
+from checkpoint_io._format.pickles import class_called, pickle_globals
 
 
 @contextlib.contextmanager
@@ -164,7 +164,7 @@ def _plain_tensor_pickle(pickled: bytes) -> bool:
 def _scanned_plain(pickled: bytes) -> bool:
     try:
         named = all(g is not None and _tensor_global(*g) for g in pickle_globals(pickled))
-        return named and not storage_outside_reference(pickled)
+        return named and class_called(pickled) is None
     except Exception:  # malformed: the slow path refuses it with torch's reason
         return False
 

@@ -10,7 +10,7 @@ import torch
 
 from checkpoint_io._errors import CheckpointError, first_line
 from checkpoint_io._format.archive import read_archive
-from checkpoint_io._format.pickles import pickle_globals, storage_outside_reference
+from checkpoint_io._format.pickles import class_called, pickle_globals
 
 
 def load_value(
@@ -54,15 +54,17 @@ def load_value(
 
 _REFUSED_GLOBALS = {("builtins", "bytearray"), ("__builtin__", "bytearray")}
 """Admitted by torch's ``weights_only`` unpickler, refused here: ``bytearray(n)`` makes ``n``
-bytes out of a few (a 656-byte stateful file loaded at 1.8 GB). So are torch's tensor
+bytes out of a few (a 656-byte stateful file loaded at 1.8 GB). So are torch's legacy tensor
 constructors (:func:`_refused`): ``torch.ByteTensor(n)`` made a 2 GB tensor of a 266-byte
-value; ``torch.save`` names none of them (a tensor is rebuilt from its storage)."""
+value; ``torch.save`` names none of them (a tensor is rebuilt from its storage).
+``torch.Tensor`` itself, which ``torch.save`` does name, is refused where it is called
+(:func:`~checkpoint_io._format.pickles.class_called`)."""
 
 
 def _refused(found: tuple[str, str]) -> bool:
     module, name = found
-    constructor = module in ("torch", "torch.cuda") and name.endswith("Tensor")
-    return constructor or found in _REFUSED_GLOBALS
+    legacy = module in ("torch", "torch.cuda", "torch.sparse") and name.endswith("Tensor")
+    return (legacy and found != ("torch", "Tensor")) or found in _REFUSED_GLOBALS
 
 
 def _unbounded(data: bytes) -> str | None:
@@ -90,16 +92,17 @@ def _unbounded(data: bytes) -> str | None:
 def _refused_global(pickled: bytes) -> str | None:
     """The first refused global a pickle names (``GLOBAL`` or ``STACK_GLOBAL``), or ``None``.
 
-    So is a storage class used other than as a storage reference's type (called, it makes
-    uninitialized memory of any size; see
-    :func:`~checkpoint_io._format.pickles.storage_outside_reference`).
+    So is a class that makes uninitialized memory of any size when called (a storage class,
+    ``torch.Tensor``) where it is used other than as ``torch.save`` uses it (see
+    :func:`~checkpoint_io._format.pickles.class_called`).
     """
     try:
         for found in pickle_globals(pickled):
             if found is not None and _refused(found):
                 return f"a {found[1]}"
-        if storage_outside_reference(pickled):
-            return "a storage class used other than as a saved storage's type"
+        called = class_called(pickled)
+        if called is not None:
+            return f"the class {called}, used other than as torch.save uses it"
     except Exception:  # malformed: torch's unpickler refuses it with its own reason
         return None
     return None
