@@ -467,6 +467,33 @@ class TestHostileDirectories:
 class TestBoundedValues:
     """Issue 51 (3): a value that a few bytes would expand into gigabytes is refused."""
 
+    def test_an_optimizer_value_a_load_would_refuse_is_refused_at_save(
+        self, tmp_path: Path
+    ) -> None:
+        """An object in a parameter group or in the optimizer's state was saved (DCP pickles
+        it), and every load of the checkpoint refused it: now the save refuses it, with
+        nothing written, and plain values save and load (a dict of them too)."""
+        model, optimizer = trained()
+        optimizer.param_groups[0]["schedule"] = Holder()  # not a weights_only type
+        refusal = r"the optimizer's param_groups \(AdamW\) holds a .*GLOBAL .*Holder was not an"
+        with pytest.raises(TypeError, match=refusal):
+            save_checkpoint(tmp_path / "c", model, optimizer)
+        assert not (tmp_path / "c").exists()
+        del optimizer.param_groups[0]["schedule"]
+        first = next(iter(optimizer.state.values()))
+        first["note"] = Holder()
+        with pytest.raises(TypeError, match=r"the optimizer's state \(AdamW\) holds a value"):
+            save_checkpoint(tmp_path / "c", model, optimizer)
+        assert not (tmp_path / "c").exists()
+        # A dict inside the state (DCP flattens it, a key each) loads back as saved: it was
+        # templated as one value, and DCP found its keys missing.
+        first["note"] = {"kept": [1, 2.5], "t": torch.arange(3.0)}
+        save_checkpoint(tmp_path / "c", model, optimizer)
+        first["note"] = None
+        load_checkpoint(tmp_path / "c", model, optimizer)
+        note = next(iter(optimizer.state.values()))["note"]
+        assert note["kept"] == [1, 2.5] and torch.equal(note["t"], torch.arange(3.0))
+
     def test_a_bytearray_is_refused_at_save_and_at_load(self, tmp_path: Path) -> None:
         import io
         import zipfile
@@ -477,6 +504,17 @@ class TestBoundedValues:
         with pytest.raises(TypeError, match="holds a bytearray"):
             save_checkpoint(tmp_path / "c", model, stateful={"h": Holder(bytearray(b"x"))})
         assert not (tmp_path / "c").exists()
+        # What a load refuses, a save refuses: a byte buffer of raw bytes was saved, and every
+        # load of the checkpoint refused it (it is not torch.save's format).
+        raw = Holder(io.BytesIO(b"raw bytes"))
+        with pytest.raises(TypeError, match="holds a byte buffer that holds data that is not"):
+            save_checkpoint(tmp_path / "c", model, stateful={"h": raw})
+        assert not (tmp_path / "c").exists()
+        framed = Holder(io.BytesIO(_saved({"lr": 0.1})))  # torch.save's bytes: read back
+        save_checkpoint(tmp_path / "c", model, stateful={"h": framed})
+        loaded = Holder(None)
+        load_checkpoint(tmp_path / "c", model, stateful={"h": loaded})
+        assert torch.load(loaded.state, weights_only=True) == {"lr": 0.1}
         # As a crafted file would hold it (torch's weights_only loader admits it).
         buffer = io.BytesIO()
         torch.save({"blob": bytearray(16)}, buffer)

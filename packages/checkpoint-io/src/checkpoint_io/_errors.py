@@ -31,7 +31,19 @@ def read_regular(file: Path) -> bytes:
     return dist_core.read_regular(file, error=CheckpointError, holder="a checkpoint")
 
 
+_WEIGHTS_ONLY = "WeightsUnpickler error:"
+"""Where torch's ``weights_only`` refusal gives its reason (after advice to bypass it)."""
+
+
 def first_line(error: BaseException) -> str:
-    """The first line of ``error``'s message (at most 200 characters), for a one-line error."""
-    text = str(error).strip().splitlines()
+    """The first line of ``error``'s message (at most 200 characters), for a one-line error.
+
+    For torch's ``weights_only`` refusal, the first line of its reason ("Unsupported global:
+    GLOBAL mod.Holder was not an allowed global by default"), without torch's advice to
+    allow the global or to load without ``weights_only``.
+    """
+    message = str(error)
+    if _WEIGHTS_ONLY in message:
+        message = message.split(_WEIGHTS_ONLY, 1)[1].split(". Please use", 1)[0]
+    text = message.strip().splitlines()
     return text[0][:200] if text else type(error).__name__

@@ -13,9 +13,7 @@ from checkpoint_io._format.archive import read_archive
 from checkpoint_io._format.pickles import class_called, pickle_globals
 
 
-def load_value(
-    data: io.BytesIO | bytes, what: str, map_location: Any = None, *, _depth: int = 0
-) -> Any:
+def load_value(data: io.BytesIO | bytes, what: str, map_location: Any = None) -> Any:
     """A non-tensor value read ``weights_only`` (tensors, containers and primitives only).
 
     A byte buffer inside it (the optimizer's parameter groups are one) is read in turn, one
@@ -26,30 +24,43 @@ def load_value(
         CheckpointError: Naming ``what`` when the value holds anything else (refused as
             unsafe) or cannot be read.
     """
-    stream = io.BytesIO(data) if isinstance(data, bytes) else data
     try:
-        problem = _unbounded(stream.getvalue())
-        if problem is not None:
-            raise CheckpointError(
-                f"{what} was refused as unsafe: it holds {problem}, which can make a few bytes "
-                "read as gigabytes. Nothing was loaded"
-            )
+        return _read(data, map_location, depth=0)
+    except _Refused as refused:
+        raise CheckpointError(
+            f"{what} was refused as unsafe: it holds {refused}. Nothing was loaded"
+        ) from None
+    except Exception as error:
+        raise CheckpointError(f"{what} cannot be read ({type(error).__name__}: {error})") from None
+
+
+class _Refused(Exception):
+    """What a value holds that a checkpoint refuses (the caller names the value)."""
+
+
+def _read(data: io.BytesIO | bytes, map_location: Any, depth: int) -> Any:
+    """A value read ``weights_only`` once its bytes are known to be bounded.
+
+    Raises:
+        _Refused: What it holds that is refused.
+        Exception: Whatever ``torch.load`` raises for data it cannot read.
+    """
+    stream = io.BytesIO(data) if isinstance(data, bytes) else data
+    problem = _unbounded(stream.getvalue())
+    if problem is not None:
+        raise _Refused(f"{problem}, which can make a few bytes read as gigabytes")
+    try:
         # io.BytesIO is admitted: the optimizer's parameter groups are stored as one (its
         # bytes are read weights_only in turn, below); rebuilding one runs nothing.
         with torch.serialization.safe_globals([io.BytesIO]):
             value = torch.load(stream, weights_only=True, map_location=map_location)
-        _check_buffers(value, what, _depth)
-        return value
-    except CheckpointError:
-        raise
     except pickle.UnpicklingError as error:
-        raise CheckpointError(
-            f"{what} was refused as unsafe: it holds something other than tensors, containers "
-            f"and plain values, which reading could run ({first_line(error)}). Nothing was "
-            "loaded"
+        raise _Refused(
+            "something other than tensors, containers and plain values, which reading could "
+            f"run ({first_line(error)})"
         ) from None
-    except Exception as error:
-        raise CheckpointError(f"{what} cannot be read ({type(error).__name__}: {error})") from None
+    _check_buffers(value, depth)
+    return value
 
 
 _REFUSED_GLOBALS = {("builtins", "bytearray"), ("__builtin__", "bytearray")}
@@ -108,7 +119,7 @@ def _refused_global(pickled: bytes) -> str | None:
     return None
 
 
-def _check_buffers(value: Any, what: str, depth: int = 0) -> None:
+def _check_buffers(value: Any, depth: int) -> None:
     """Every ``BytesIO`` inside ``value`` is a plain one whose bytes read ``weights_only``.
 
     A pickled ``BytesIO`` may carry an attribute dict (its methods replaced by other values);
@@ -116,6 +127,10 @@ def _check_buffers(value: Any, what: str, depth: int = 0) -> None:
     object is visited once, however often the pickle refers to it (ten references per level
     made 10^depth visits: 3 s for a 1.4 KB value at depth 7), through a stack of its own;
     dict keys and sets are looked into as well.
+
+    Raises:
+        _Refused: A buffer with attributes, a buffer inside a buffer, a buffer whose bytes
+            are refused (what they hold).
     """
     seen: set[int] = set()
     stack = [value]
@@ -130,45 +145,46 @@ def _check_buffers(value: Any, what: str, depth: int = 0) -> None:
         elif isinstance(item, list | tuple | set | frozenset):
             stack.extend(item)
         elif isinstance(item, io.BytesIO):
-            _check_buffer(item, what, depth)
+            _check_buffer(item, depth)
 
 
-def _check_buffer(value: io.BytesIO, what: str, depth: int) -> None:
+def _check_buffer(value: io.BytesIO, depth: int) -> None:
     """One ``BytesIO``: plain, one level deep, its bytes read ``weights_only``."""
     if type(value) is not io.BytesIO or vars(value):
-        raise CheckpointError(
-            f"{what} was refused as unsafe: it holds a byte buffer with attributes of its "
-            "own. Nothing was loaded"
-        )
+        raise _Refused("a byte buffer with attributes of its own")
     if depth >= 1:
-        raise CheckpointError(
-            f"{what} was refused as unsafe: it holds a byte buffer inside a byte buffer "
-            "(a checkpoint nests them one level deep at most). Nothing was loaded"
+        raise _Refused(
+            "a byte buffer inside a byte buffer (a checkpoint nests them one level deep at most)"
         )
     position = value.tell()
-    load_value(value.getvalue(), what, "cpu", _depth=depth + 1)  # never onto a device
+    try:
+        _read(value.getvalue(), "cpu", depth + 1)  # never onto a device
+    except _Refused as refused:
+        raise _Refused(f"a byte buffer that holds {refused}") from None
     value.seek(position)
 
 
-def safe_bytes(value: Any, what: str) -> bytes:
-    """``value`` serialized by ``torch.save``, once it is known to read back ``weights_only``.
+def safe_bytes(value: Any, what: str, fix: str) -> bytes:
+    """``value`` serialized by ``torch.save``, once it is known to read back as a load reads it.
+
+    What a load refuses is refused here, before anything is written (a byte buffer of raw
+    bytes in a ``state_dict()`` was saved, and every load of the checkpoint then refused it).
+
+    Args:
+        value: What to serialize.
+        what: Its name in the error.
+        fix: What to do instead, in the error.
 
     Raises:
-        TypeError: Naming ``what`` and the first type that ``weights_only`` refuses.
+        TypeError: Naming ``what``, what it holds that a load refuses, and ``fix``.
     """
     buffer = io.BytesIO()
     torch.save(value, buffer)
-    buffer.seek(0)
     try:
-        problem = _unbounded(buffer.getvalue())
-        if problem is not None:
-            raise pickle.UnpicklingError(f"it holds {problem}, which a checkpoint refuses")
-        with torch.serialization.safe_globals([io.BytesIO]):
-            torch.load(buffer, weights_only=True, map_location="cpu")
-    except pickle.UnpicklingError as error:
+        _read(buffer.getvalue(), "cpu", depth=0)
+    except _Refused as refused:
         raise TypeError(
-            f"{what} holds a value that a checkpoint cannot read back safely "
-            f"({first_line(error)}); save tensors, numbers, strings, lists and dicts of them "
-            "(convert other objects in state_dict(), or leave it out of stateful=)"
+            f"{what} holds a value that a checkpoint cannot read back safely (it holds "
+            f"{refused}); save tensors, numbers, strings, lists and dicts of them ({fix})"
         ) from None
     return buffer.getvalue()

@@ -13,9 +13,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.index import saved_entries
 from checkpoint_io._format.manifest import OPTIM
+from checkpoint_io._format.values import safe_bytes
 from checkpoint_io._state.model import parameter_names
 from dist_core import local_tensor, unwrap_model
 from strategy_config import did_you_mean
+
+_FIX = "keep the optimizer's hyperparameters and state to these, or save the rest apart"
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -36,9 +39,18 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
         }
         for group in saved["param_groups"]
     ]
-    buffer = io.BytesIO()
-    torch.save(groups, buffer)  # hyperparameters and names: one opaque entry in DCP
-    buffer.seek(0)
+    # What a load would refuse is refused before anything is written: the hyperparameters
+    # and names (one opaque entry in DCP), and any state that is not a tensor or a number.
+    kind = type(optimizer).__name__
+    others = {
+        (name, key): value
+        for name, values in state.items()
+        for key, value in values.items()
+        if not isinstance(value, torch.Tensor | int | float | bool | str | None)
+    }
+    if others:
+        safe_bytes(others, f"the optimizer's state ({kind})", _FIX)
+    buffer = io.BytesIO(safe_bytes(groups, f"the optimizer's param_groups ({kind})", _FIX))
     return {"state": state, "param_groups": buffer}
 
 
@@ -136,7 +148,7 @@ def optimizer_template(
     for path, storage in saved_entries(metadata, OPTIM).items():
         if path[0] != "state":
             continue
-        name, key = path[1], path[2]
+        name, keys = path[1], path[2:]
         param = params.get(name)
         if param is None:
             if strict:
@@ -146,15 +158,16 @@ def optimizer_template(
                     "strict=False to skip it"
                 )
             continue
+        slot = state.setdefault(name, {})
+        for key in keys[:-1]:  # a dict inside the state (DCP flattens it into one key each)
+            slot = slot.setdefault(key, {})
         if not isinstance(storage, TensorStorageMetadata):
-            state.setdefault(name, {})[key] = None
+            slot[keys[-1]] = None
         elif tuple(storage.size) == tuple(param.shape):
-            state.setdefault(name, {})[key] = torch.empty_like(
-                param, dtype=storage.properties.dtype
-            )
+            slot[keys[-1]] = torch.empty_like(param, dtype=storage.properties.dtype)
         else:  # a scalar step, or a factored statistic: a whole tensor on every rank
             device = "cpu" if len(storage.size) == 0 else local_tensor(param).device
-            state.setdefault(name, {})[key] = torch.empty(
+            slot[keys[-1]] = torch.empty(
                 tuple(storage.size), dtype=storage.properties.dtype, device=device
             )
     return {"state": state, "param_groups": io.BytesIO()}

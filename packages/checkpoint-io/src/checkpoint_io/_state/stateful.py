@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint_io._format.values import safe_bytes
 
+_FIX = "convert other objects in state_dict(), or leave it out of stateful="
+
 STATEFUL_DIR = "stateful"
 
 
@@ -93,7 +95,8 @@ def collect(stateful: Mapping[str, Any]) -> StatefulParts:
             sharded[name] = found
         # Checked and hashed from one serialization of a host copy: equal states on
         # different GPUs give one digest.
-        data = safe_bytes(_on_host(local[name]), f"stateful[{name!r}] ({type(obj).__name__})")
+        what = f"stateful[{name!r}] ({type(obj).__name__})"
+        data = safe_bytes(_on_host(local[name]), what, _FIX)
         digests[name] = hashlib.sha256(data).hexdigest()[:32]
         classes[name] = class_name(obj)
     buffer = io.BytesIO()
