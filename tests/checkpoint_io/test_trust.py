@@ -467,6 +467,62 @@ class TestHostileDirectories:
 class TestBoundedValues:
     """Issue 51 (3): a value that a few bytes would expand into gigabytes is refused."""
 
+    def test_lists_in_the_optimizer_state_load_back_and_crafted_paths_are_refused(
+        self, tmp_path: Path
+    ) -> None:
+        """LBFGS keeps lists of tensors in its state (DCP writes an entry per index): they
+        load back as lists and it steps on (they came back as dicts keyed 0, 1, ...; before
+        that, the load failed). A dict with a key that is not a string is refused at save (DCP
+        gives it back keyed '0'). A crafted index that puts a value under another value is
+        refused by name, with the model unchanged (it was a TypeError from the template)."""
+        torch.manual_seed(0)
+        inputs, targets = torch.randn(8, 4), torch.randn(8, 2)
+
+        def lbfgs() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+            model = nn.Linear(4, 2)
+            optimizer = torch.optim.LBFGS(model.parameters(), history_size=3, max_iter=3)
+
+            def closure() -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = ((model(inputs) - targets) ** 2).mean()
+                loss.backward()
+                return loss
+
+            return model, optimizer, closure
+
+        model, optimizer, closure = lbfgs()
+        for _ in range(2):
+            optimizer.step(closure)
+        save_checkpoint(tmp_path / "l", model, optimizer)
+        saved = optimizer.state_dict()["state"][0]
+        fresh, reloaded, step = lbfgs()
+        load_checkpoint(tmp_path / "l", fresh, reloaded)
+        loaded = reloaded.state_dict()["state"][0]
+        for key in ("old_dirs", "old_stps", "ro", "al"):
+            assert type(loaded[key]) is list and len(loaded[key]) == len(saved[key]), key
+            for got, want in zip(loaded[key], saved[key], strict=True):
+                assert (got is None and want is None) or torch.equal(got, want), key
+        reloaded.step(step)  # appends to the lists
+        # a dict keyed by numbers would come back keyed by strings
+        model, adamw = trained()
+        next(iter(adamw.state.values()))["by_layer"] = {0: torch.ones(2)}
+        with pytest.raises(TypeError, match="a dict with the key 0 \\(int\\)"):
+            save_checkpoint(tmp_path / "k", model, adamw)
+        assert not (tmp_path / "k").exists()
+        # a crafted index: exp_avg_sq's path under exp_avg, a tensor (digests recomputed)
+        del next(iter(adamw.state.values()))["by_layer"]
+        save_checkpoint(tmp_path / "c", model, adamw)
+        index = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
+        for fqn, path in index.planner_data.items():
+            if fqn.endswith(".exp_avg_sq"):
+                index.planner_data[fqn] = (*path[:-1], "exp_avg", "x")
+        (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(index))
+        _rehash(tmp_path / "c", ".metadata")
+        before = _snapshot(model)
+        with pytest.raises(CheckpointError, match="both as a value and as a container"):
+            load_checkpoint(tmp_path / "c", model, adamw)
+        assert _same(model, before)
+
     def test_an_optimizer_value_a_load_would_refuse_is_refused_at_save(
         self, tmp_path: Path
     ) -> None:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import io
+import itertools
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.index import saved_entries
 from checkpoint_io._format.manifest import OPTIM
-from checkpoint_io._format.values import safe_bytes
+from checkpoint_io._format.values import check_values
 from checkpoint_io._state.model import parameter_names
 from dist_core import local_tensor, unwrap_model
 from strategy_config import did_you_mean
@@ -40,18 +42,54 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
         for group in saved["param_groups"]
     ]
     # What a load would refuse is refused before anything is written: the hyperparameters
-    # and names (one opaque entry in DCP), and any state that is not a tensor or a number.
+    # (the groups are one opaque entry in DCP) and the state's values.
     kind = type(optimizer).__name__
-    others = {
-        (name, key): value
+    nested = [
+        (name, value)
         for name, values in state.items()
-        for key, value in values.items()
-        if not isinstance(value, torch.Tensor | int | float | bool | str | None)
-    }
-    if others:
-        safe_bytes(others, f"the optimizer's state ({kind})", _FIX)
-    buffer = io.BytesIO(safe_bytes(groups, f"the optimizer's param_groups ({kind})", _FIX))
+        for value in values.values()
+        if type(value) not in _FLAT
+    ]
+    _check_keys(nested, kind)
+    check_values([v for _, v in nested], f"the optimizer's state ({kind})", _FIX, records=True)
+    hyper = [{k: v for k, v in group.items() if k != "params"} for group in groups]
+    check_values(hyper, f"the optimizer's param_groups ({kind})", _FIX, records=False)
+    buffer = io.BytesIO()
+    torch.save(groups, buffer)
+    buffer.seek(0)
     return {"state": state, "param_groups": buffer}
+
+
+_FLAT = frozenset({torch.Tensor, nn.Parameter, DTensor, int, float, bool, type(None)})
+"""The state values that need no look inside (nearly all of them: a step, Adam's moments)."""
+
+
+def _check_keys(values: list[tuple[str, Any]], kind: str) -> None:
+    """A dict inside the state has string keys: DCP flattens it into a key each, a string.
+
+    Args:
+        values: The state's values that are not flat, each with its parameter's name.
+        kind: The optimizer's class name, for the error.
+
+    Raises:
+        TypeError: Naming the parameter and the key (``{0: t}`` loaded back as ``{'0': t}``).
+    """
+    for name, value in values:
+        stack: list[Any] = [value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, Mapping):
+                odd = [key for key in item if type(key) is not str]
+                if odd:
+                    raise TypeError(
+                        f"the optimizer's state ({kind}) for '{name}' holds a dict with the "
+                        f"key {odd[0]!r} ({type(odd[0]).__name__}); DCP stores a dict inside "
+                        "the state a key each, by name, so it would load back as "
+                        f"{str(odd[0])!r}: use string keys"
+                    )
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
 
 
 def _optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -124,6 +162,68 @@ def check_optimizer_groups(
     return current
 
 
+def _check_paths(paths: list[tuple[object, ...]]) -> None:
+    """The optimizer state's paths in DCP's index are as DCP writes them, or refused.
+
+    DCP flattens a dict inside the state into a key each (a string) and a list holding
+    tensors into an index each: a path is ``("state", name, key, ...)``, string keys below a
+    dict and indices below a list, none of them a value's and a container's at once.
+
+    Raises:
+        CheckpointError: A path that DCP does not write (crafted, or damaged).
+    """
+    leaves = set(paths)
+    inner = {path[:end] for path in paths for end in range(3, len(path))}
+    for path in paths:
+        kinds_ok = len(path) >= 3 and all(type(key) in (str, int) for key in path[2:])
+        if not kinds_ok or type(path[1]) is not str or type(path[2]) is not str:
+            raise CheckpointError(
+                f"the checkpoint's index holds the optimizer state path {path!r}, which DCP "
+                "does not write; the checkpoint is damaged or crafted. Nothing was loaded"
+            )
+        if path in inner or any(path[:end] in leaves for end in range(3, len(path))):
+            raise CheckpointError(
+                f"the checkpoint's index holds the optimizer state path {path!r} both as a "
+                "value and as a container; the checkpoint is damaged or crafted. Nothing was "
+                "loaded"
+            )
+        if any(type(key) is int and key >= len(paths) for key in path[3:]):
+            raise CheckpointError(
+                f"the checkpoint's index holds the optimizer state path {path!r}, an index past "
+                f"its {len(paths)} entries; the checkpoint is damaged or crafted. Nothing was "
+                "loaded"
+            )
+
+
+def _place(slot: dict[str, Any], keys: tuple[object, ...], leaf: Any) -> None:
+    """Put ``leaf`` at ``keys`` under ``slot``, making the dicts and lists DCP flattened.
+
+    A string key is a dict's, an index a list's (padded with ``None``), as DCP's own loader
+    sets them; the paths were checked by :func:`_check_paths`.
+    """
+    container: Any = slot
+    for key, following in itertools.pairwise(keys):
+        container = _at(container, key, {} if type(following) is str else [], keep=True)
+    _at(container, keys[-1], leaf, keep=False)
+
+
+def _at(container: dict[str, Any] | list[Any], key: object, value: Any, *, keep: bool) -> Any:
+    """What ``container[key]`` holds once set to ``value`` (unless ``keep`` and it holds one).
+
+    A list is padded with ``None`` up to ``key``.
+    """
+    if isinstance(container, list):
+        index = cast(int, key)
+        container.extend([None] * (index + 1 - len(container)))
+        if not keep or container[index] is None:
+            container[index] = value
+        return container[index]
+    name = cast(str, key)
+    if not keep or name not in container:
+        container[name] = value
+    return container[name]
+
+
 def _starts(optimizer: torch.optim.Optimizer) -> Iterator[tuple[int, dict[str, Any]]]:
     start = 0
     for group in optimizer.param_groups:
@@ -145,7 +245,9 @@ def optimizer_template(
     """
     params = dict(unwrap_model(model).named_parameters())
     state: dict[str, dict[str, Any]] = {}
-    for path, storage in saved_entries(metadata, OPTIM).items():
+    entries = saved_entries(metadata, OPTIM)
+    _check_paths([path for path in entries if path[0] == "state"])
+    for path, storage in entries.items():
         if path[0] != "state":
             continue
         name, keys = path[1], path[2:]
@@ -158,16 +260,12 @@ def optimizer_template(
                     "strict=False to skip it"
                 )
             continue
-        slot = state.setdefault(name, {})
-        for key in keys[:-1]:  # a dict inside the state (DCP flattens it into one key each)
-            slot = slot.setdefault(key, {})
         if not isinstance(storage, TensorStorageMetadata):
-            slot[keys[-1]] = None
+            leaf: Any = None
         elif tuple(storage.size) == tuple(param.shape):
-            slot[keys[-1]] = torch.empty_like(param, dtype=storage.properties.dtype)
+            leaf = torch.empty_like(param, dtype=storage.properties.dtype)
         else:  # a scalar step, or a factored statistic: a whole tensor on every rank
             device = "cpu" if len(storage.size) == 0 else local_tensor(param).device
-            slot[keys[-1]] = torch.empty(
-                tuple(storage.size), dtype=storage.properties.dtype, device=device
-            )
+            leaf = torch.empty(tuple(storage.size), dtype=storage.properties.dtype, device=device)
+        _place(state.setdefault(name, {}), keys, leaf)
     return {"state": state, "param_groups": io.BytesIO()}
