@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -509,19 +510,28 @@ class TestBoundedValues:
         with pytest.raises(TypeError, match="a dict with the key 0 \\(int\\)"):
             save_checkpoint(tmp_path / "k", model, adamw)
         assert not (tmp_path / "k").exists()
-        # a crafted index: exp_avg_sq's path under exp_avg, a tensor (digests recomputed)
+        # crafted indexes (digests recomputed): exp_avg_sq's path under exp_avg (a tensor),
+        # at a negative index, and below a container whose other key is a string
         del next(iter(adamw.state.values()))["by_layer"]
         save_checkpoint(tmp_path / "c", model, adamw)
-        index = pickle.loads((tmp_path / "c" / ".metadata").read_bytes())
-        for fqn, path in index.planner_data.items():
-            if fqn.endswith(".exp_avg_sq"):
-                index.planner_data[fqn] = (*path[:-1], "exp_avg", "x")
-        (tmp_path / "c" / ".metadata").write_bytes(pickle.dumps(index))
-        _rehash(tmp_path / "c", ".metadata")
         before = _snapshot(model)
-        with pytest.raises(CheckpointError, match="both as a value and as a container"):
-            load_checkpoint(tmp_path / "c", model, adamw)
-        assert _same(model, before)
+        for label, (exp_avg, exp_avg_sq), refusal in (
+            ("under a value", (("exp_avg",), ("exp_avg", "x")), "both as a value and as a"),
+            ("negative", (("exp_avg",), ("h", -1)), "an index outside its"),
+            ("mixed", (("h", "k"), ("h", 0)), "is both a dict and a list"),
+        ):
+            shutil.copytree(tmp_path / "c", tmp_path / label)
+            index = pickle.loads((tmp_path / label / ".metadata").read_bytes())
+            for fqn, path in list(index.planner_data.items()):
+                if fqn.startswith("optim.state.") and path[-1] == "exp_avg":
+                    index.planner_data[fqn] = (*path[:-1], *exp_avg)
+                elif fqn.startswith("optim.state.") and path[-1] == "exp_avg_sq":
+                    index.planner_data[fqn] = (*path[:-1], *exp_avg_sq)
+            (tmp_path / label / ".metadata").write_bytes(pickle.dumps(index))
+            _rehash(tmp_path / label, ".metadata")
+            with pytest.raises(CheckpointError, match=refusal):
+                load_checkpoint(tmp_path / label, model, adamw)
+            assert _same(model, before), label
 
     def test_an_optimizer_value_a_load_would_refuse_is_refused_at_save(
         self, tmp_path: Path

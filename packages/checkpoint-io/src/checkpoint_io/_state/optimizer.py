@@ -174,6 +174,7 @@ def _check_paths(paths: list[tuple[object, ...]]) -> None:
     """
     leaves = set(paths)
     inner = {path[:end] for path in paths for end in range(3, len(path))}
+    kinds: dict[tuple[object, ...], type] = {}
     for path in paths:
         kinds_ok = len(path) >= 3 and all(type(key) in (str, int) for key in path[2:])
         if not kinds_ok or type(path[1]) is not str or type(path[2]) is not str:
@@ -187,12 +188,19 @@ def _check_paths(paths: list[tuple[object, ...]]) -> None:
                 "value and as a container; the checkpoint is damaged or crafted. Nothing was "
                 "loaded"
             )
-        if any(type(key) is int and key >= len(paths) for key in path[3:]):
+        if any(type(key) is int and not 0 <= key < len(paths) for key in path[3:]):
             raise CheckpointError(
-                f"the checkpoint's index holds the optimizer state path {path!r}, an index past "
-                f"its {len(paths)} entries; the checkpoint is damaged or crafted. Nothing was "
-                "loaded"
+                f"the checkpoint's index holds the optimizer state path {path!r}, an index "
+                f"outside its {len(paths)} entries; the checkpoint is damaged or crafted. "
+                "Nothing was loaded"
             )
+        for end in range(3, len(path)):  # below one container, keys of one kind
+            if kinds.setdefault(path[:end], type(path[end])) is not type(path[end]):
+                raise CheckpointError(
+                    f"the checkpoint's index holds the optimizer state path {path!r}, whose "
+                    f"{path[:end]!r} is both a dict and a list; the checkpoint is damaged or "
+                    "crafted. Nothing was loaded"
+                )
 
 
 def _place(slot: dict[str, Any], keys: tuple[object, ...], leaf: Any) -> None:
