@@ -1,4 +1,4 @@
-"""What a pickle names and how it uses torch's storage classes, read without running it."""
+"""What a pickle names, and where it puts classes that must not be called; read, not run."""
 
 from __future__ import annotations
 
@@ -52,11 +52,8 @@ class _Global:
         self.name = (module, name)
 
 
-class _Class:
+class _Class(_Global):
     """A class that must not be called (:func:`_never_called`) on the simulated stack."""
-
-    def __init__(self, module: str, name: str) -> None:
-        self.name = (module, name)
 
 
 class _Holds:

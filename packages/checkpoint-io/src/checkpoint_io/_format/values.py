@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -132,20 +133,34 @@ def _check_buffers(value: Any, depth: int) -> None:
         _Refused: A buffer with attributes, a buffer inside a buffer, a buffer whose bytes
             are refused (what they hold).
     """
+    for item in _leaves(value, exact=False):
+        if isinstance(item, io.BytesIO):
+            _check_buffer(item, depth)
+
+
+def _leaves(value: Any, *, exact: bool) -> Iterator[Any]:
+    """Each object inside ``value`` that is not plain nor a container, once.
+
+    Dicts (keys too), lists, tuples and sets are looked into; with ``exact``, only these very
+    types (a subclass, an ``OrderedDict`` say, is a leaf: it is pickled by its own name).
+    Each object is visited once, however often the value refers to it, through a stack of its
+    own (no recursion).
+    """
     seen: set[int] = set()
     stack = [value]
     while stack:
         item = stack.pop()
-        if id(item) in seen:
+        kind = type(item)
+        if kind in _PLAIN or id(item) in seen:
             continue
         seen.add(id(item))
-        if isinstance(item, dict):
+        if kind is dict or (not exact and isinstance(item, dict)):
             stack.extend(item.keys())
             stack.extend(item.values())
-        elif isinstance(item, list | tuple | set | frozenset):
+        elif kind in _CONTAINERS or (not exact and isinstance(item, _CONTAINERS)):
             stack.extend(item)
-        elif isinstance(item, io.BytesIO):
-            _check_buffer(item, depth)
+        else:
+            yield item
 
 
 def _check_buffer(value: io.BytesIO, depth: int) -> None:
@@ -194,6 +209,8 @@ _PLAIN = frozenset({int, float, bool, complex, str, bytes, type(None), torch.dty
 """Types whose values ``weights_only`` reads back whatever they are (exactly these: a subclass,
 an ``IntEnum`` say, is pickled by its own name)."""
 
+_CONTAINERS = (list, tuple, set, frozenset)
+
 
 def check_values(value: Any, what: str, fix: str, *, records: bool) -> None:
     """Refuse, before anything is written, what in ``value`` a load would refuse.
@@ -214,22 +231,7 @@ def check_values(value: Any, what: str, fix: str, *, records: bool) -> None:
     Raises:
         TypeError: As :func:`safe_bytes`.
     """
-    odd: list[Any] = []
-    seen: set[int] = set()
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        kind = type(item)
-        if kind in _PLAIN or id(item) in seen:
-            continue
-        seen.add(id(item))
-        if kind in (list, tuple, set, frozenset):
-            stack.extend(item)
-        elif kind is dict:
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif not _tensor_apart(item, records):
-            odd.append(item)
+    odd = [item for item in _leaves(value, exact=True) if not _tensor_apart(item, records)]
     if odd:
         safe_bytes(odd, what, fix)
 
