@@ -225,6 +225,7 @@ def everything(rank: int, world_size: int) -> dict[str, Any]:
         "clip": clip_norms(rank, world_size),
         "variable": variable_length(rank, world_size, ("ddp", "fsdp")),
         "zero": zero_count(rank, world_size),
+        "inputs": count_inputs(rank, world_size),
     }
 
 
@@ -329,6 +330,14 @@ def variable_length(rank: int, world_size: int, strategies: tuple[str, ...]) -> 
     return out
 
 
+def hsdp_counts(rank: int, world_size: int) -> dict[str, Any]:
+    """HSDP 2x2: the variable-length checks and the counts' inputs, one spawned run."""
+    return {
+        **variable_length(rank, world_size, ("hsdp",)),
+        "inputs": count_inputs(rank, world_size, "hsdp"),
+    }
+
+
 def zero_count(rank: int, world_size: int) -> str:
     from grad_sync import count_mean, global_count
 
@@ -339,3 +348,46 @@ def zero_count(rank: int, world_size: int) -> str:
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def count_inputs(rank: int, world_size: int, strategy: str = "ddp") -> dict[str, Any]:
+    """global_count over mixed inputs per rank, and a bad count on one rank only.
+
+    Each entry is the count (value, dtype name) every rank got, or the error it raised
+    (type name, message).
+    """
+    import numpy as np
+
+    from grad_sync import count_mean, global_count
+
+    model = _variable_model(strategy, world_size)
+    device = rank_device()
+    first = rank == 0
+    cases: dict[str, Any] = {
+        # a Python int on one rank, a float on the other (reduced as int64 and float64
+        # reinterpreted under gloo before: 4.6e18 and 100.00000000000142)
+        "int_float": 3 if first else 4.0,
+        "numpy_empty": [np.int64(5)] if first else [],
+        "bf16_fp16": (
+            [torch.ones(1001, dtype=torch.bfloat16, device=device)]
+            if first
+            else [torch.ones(70_000, dtype=torch.float16, device=device)]
+        ),
+        "bool_mask": torch.ones(7, dtype=torch.bool, device=device) if first else 2,
+        "nan_number": float("nan") if first else 3,
+        "nan_tensor": torch.tensor([float("nan")], device=device) if first else 3,
+        "negative_tensor": 2 if first else torch.tensor([-1.0], device=device),
+        "string": "12" if first else 3,
+        "bool": True if first else 3,
+    }
+    out: dict[str, Any] = {}
+    for name, counts in cases.items():
+        try:
+            count = global_count(counts, model=model)
+            out[name] = (count.item(), str(count.dtype).removeprefix("torch."))
+        except (TypeError, ValueError) as error:
+            out[name] = (type(error).__name__, str(error))
+    count = global_count(4, model=model)
+    loss = torch.tensor(2.0, device=device)
+    out["mean"] = float(count_mean(loss, count, model=model))
+    return out

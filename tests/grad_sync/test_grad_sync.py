@@ -163,14 +163,58 @@ def test_count_mean_makes_variable_length_exact(
 @pytest.mark.multiprocess
 def test_count_mean_under_hsdp_2x2() -> None:
     """HSDP over 2 replicas of 2 shards: the count spans both mesh dimensions, the scale the
-    reduction over both; exact against one process, mean() is not."""
-    results = run_ranks(workers.variable_length, ("hsdp",), world_size=4)
+    reduction over both; exact against one process, mean() is not. Mixed and bad counts
+    agree over both dimensions too."""
+    results = run_ranks(workers.hsdp_counts, world_size=4)
     for result in results:
         for accum in (1, 2):
             assert result[f"hsdp_{accum}_count"]["relative"] < 1e-5, result
             assert result[f"hsdp_{accum}_mean"]["relative"] > 1e-3, result
             assert result[f"hsdp_{accum}_global"] == result[f"hsdp_{accum}_expected"]
         assert result["hsdp_dp"] == 4
+    # rank 0 passes the first kind of count, ranks 1-3 the second
+    _check_count_inputs([r["inputs"] for r in results], others=3)
+
+
+def _check_count_inputs(results: list[dict[str, object]], *, others: int) -> None:
+    """Every rank got the same exact count, or every rank raised (none waited)."""
+    assert {r["int_float"] for r in results} == {(3.0 + 4.0 * others, "float64")}
+    assert {r["numpy_empty"] for r in results} == {(5, "int64")}
+    assert {r["bf16_fp16"] for r in results} == {(1001.0 + 70_000.0 * others, "float64")}
+    assert {r["bool_mask"] for r in results} == {(7 + 2 * others, "int64")}
+    failing = {
+        "nan_number": ("ValueError", "counts must be finite and >= 0, got nan"),
+        "string": ("TypeError", "counts must be a number, a tensor or an iterable of them"),
+        "bool": ("TypeError", "counts holds a bool (True)"),
+    }
+    for case, (kind, message) in failing.items():
+        assert results[0][case][0] == kind, results[0][case]
+        assert message in results[0][case][1]
+        for other in results[1:]:
+            assert other[case] == (
+                "ValueError",
+                "global_count failed on 1 other rank(s) (each raised its own error, naming the "
+                "bad input); this rank's input was valid",
+            )
+    # a tensor's bad sum is found on its device and travels with the reduction
+    assert results[0]["nan_tensor"][1].startswith("counts must be finite and >= 0: a tensor "
+                                                  "count on this rank")
+    assert results[1]["nan_tensor"][1].startswith("counts must be finite and >= 0: a tensor "
+                                                  "count on another rank")
+    assert all(r["negative_tensor"][0] == "ValueError" for r in results)
+    assert "on this rank" in results[1]["negative_tensor"][1]
+    assert "on another rank" in results[0]["negative_tensor"][1]
+    assert {r["mean"] for r in results} == {2.0 * (1 + others) / (4 + 4 * others)}
+
+
+@pytest.mark.multiprocess
+def test_global_count_is_exact_and_agreed_on_every_rank(
+    two_ranks: list[dict[str, object]],
+) -> None:
+    """Mixed inputs per rank give one exact count everywhere (int + float reinterpreted
+    under gloo gave 4.6e18 and 100.00000000000142; bf16 and fp16 masks summed in their own
+    dtype lost counts); a bad count on one rank raises on both, not after a timeout."""
+    _check_count_inputs([r["inputs"] for r in two_ranks], others=1)
 
 
 @pytest.mark.multiprocess
@@ -198,3 +242,35 @@ def test_counts_in_one_process() -> None:
         count_mean(1.0, count, model=model)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="global_count is 0"):
         count_mean(loss, 0, model=model)
+
+
+@pytest.mark.parametrize(
+    ("loss", "count", "error", "match"),
+    [
+        (torch.tensor(1.0), True, TypeError, r"got bool \(True\)"),
+        (torch.tensor(1.0), "4", TypeError, r"got str \('4'\)"),
+        (torch.tensor(1.0), torch.tensor([2, 3]), TypeError, "one-element numeric tensor"),
+        (torch.tensor(1.0), 1e-320, ValueError, "the loss scale 1/count overflows"),
+        (torch.ones(3), 4, TypeError, r"0-dim floating-point tensor .* got shape \(3,\)"),
+        (torch.tensor(3), 4, TypeError, "of torch.int64"),
+    ],
+)
+def test_count_mean_refuses(loss: torch.Tensor, count: object, error: type, match: str) -> None:
+    """A bool, a string or a denormal count, and a loss that is not one float, are refused
+    (they were accepted: True as 1, '4' as 4.0, 1e-320 as an inf loss)."""
+    from grad_sync import count_mean
+
+    with pytest.raises(error, match=match):
+        count_mean(loss, count, model=nn.Linear(2, 1))
+
+
+def test_low_precision_masks_count_exactly() -> None:
+    """bf16 and fp16 masks are summed in float64: 1,001 bf16 ones are 1,001 (1,000 in bf16);
+    70,000 fp16 ones are 70,000 (inf in fp16); a huge total is refused, not rounded."""
+    from grad_sync import global_count
+
+    model = nn.Linear(2, 1)
+    assert int(global_count(torch.ones(1001, dtype=torch.bfloat16), model=model)) == 1001
+    assert int(global_count(torch.ones(70_000, dtype=torch.float16), model=model)) == 70_000
+    with pytest.raises(ValueError, match="past 2\\*\\*53"):
+        global_count([2**53, 2**53], model=model)

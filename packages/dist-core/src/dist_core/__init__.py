@@ -7,7 +7,7 @@ file is opened and how a written one is made durable.
 
 from __future__ import annotations
 
-from dist_core._agree import agree, agreed_error
+from dist_core._agree import agree, agreed_error, all_reduce_agreed
 from dist_core._checks import check_forward_methods, check_wrap_preconditions
 from dist_core._devices import (
     DeviceLike,
@@ -49,6 +49,7 @@ __all__ = [
     "accelerator_type",
     "agree",
     "agreed_error",
+    "all_reduce_agreed",
     "bound_device",
     "check_forward_methods",
     "check_wrap_preconditions",

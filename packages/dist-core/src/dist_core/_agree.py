@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from dist_core._devices import on_device
@@ -79,3 +80,47 @@ def agreed_error(
     return (kinds or {}).get(kind, default)(
         f"{what} failed on rank(s) {sorted(failed)}; rank {first}: {message}"
     )
+
+
+def all_reduce_agreed(
+    data: torch.Tensor,
+    error: BaseException | None,
+    what: str,
+    groups: Sequence[dist.ProcessGroup | None],
+    *,
+    default: type[Exception] = ValueError,
+) -> list[float]:
+    """Sum ``data`` over ``groups`` in the same all-reduce that tells every rank of a failure.
+
+    The check-locally-then-agree rule for a reduction: a rank whose input was bad still enters
+    the collective (with its ``error`` and zeros), so no rank waits for a timeout, and every
+    rank raises: the failing ones their own error, the others ``default`` naming how many
+    ranks failed.
+
+    Args:
+        data: A 1-D ``float64`` tensor on the groups' device (summed).
+        error: This rank's failure, or ``None``; its ``data`` is then ignored.
+        what: The work, for the message (``"global_count"``).
+        groups: The groups reduced over, one after another (a mesh's dimensions); ``[None]``
+            is the default group.
+        default: What a rank that did not fail raises.
+
+    Returns:
+        The summed ``data``, read to the host (the one host read the check needs).
+    """
+    # NOTE: the flag rides in the data's own buffer and dtype: one collective per group, and a
+    # NaN in the data cannot hide a failure (the flag is its own element).
+    mine = torch.zeros_like(data) if error is not None else data
+    flag = torch.tensor([0.0 if error is None else 1.0], dtype=data.dtype, device=data.device)
+    payload = torch.cat([mine, flag])
+    for group in groups:
+        dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
+    *total, failed = payload.tolist()
+    if error is not None:
+        raise error
+    if failed:
+        raise default(
+            f"{what} failed on {int(failed)} other rank(s) (each raised its own error, naming the "
+            "bad input); this rank's input was valid"
+        )
+    return [float(value) for value in total]
