@@ -559,6 +559,43 @@ class TestLongRuns:
             manager.maybe_save(4, model, optimizer)
         assert (tmp_path / "r" / "step-4" / "checkpoint.json").is_file()  # saved before
 
+    def test_closing_managers_in_any_order_keeps_usr1_handled(self, tmp_path: Path) -> None:
+        """Two managers, ``a.close()`` first: ``b`` still gets USR1 (``a`` put the default
+        handler back over ``b``'s and the process died); after ``b.close()`` the original
+        handler is back."""
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import os, signal\n"
+                "from checkpoint_io import CheckpointManager\n"
+                "signal.signal(signal.SIGUSR1, signal.SIG_IGN)\n"
+                f"a = CheckpointManager({str(tmp_path / 'a')!r}, every=1, signals=['USR1'])\n"
+                f"b = CheckpointManager({str(tmp_path / 'b')!r}, every=1, signals=['USR1'])\n"
+                "a.close()\n"
+                "os.kill(os.getpid(), signal.SIGUSR1)\n"
+                "print('b got', b._stop.received.name)\n"
+                "b.close()\n"
+                "print('restored', signal.getsignal(signal.SIGUSR1) == signal.SIG_IGN)\n",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["b", "got", "SIGUSR1", "restored", "True"]
+
+    def test_requeue_refuses_a_job_id_that_is_not_a_number(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """``SLURM_JOB_ID=--help`` ran ``scontrol requeue --help``: refused when the manager
+        is made."""
+        for job in ("--help", "\u00b2", "1 2"):
+            monkeypatch.setenv("SLURM_JOB_ID", job)
+            with pytest.raises(ValueError, match="SLURM_JOB_ID must be an integer"):
+                CheckpointManager(tmp_path, every=1, signals=["USR1"], requeue=True)
+
     def test_a_dropped_manager_does_not_swallow_sigterm(self, tmp_path: Path) -> None:
         out = subprocess.run(
             [

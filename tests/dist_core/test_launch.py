@@ -13,6 +13,7 @@ SLURM = {
     "SLURM_LOCALID": "1",
     "SLURM_JOB_NODELIST": "gpu[07-08,11],cpu1",
     "SLURM_JOB_ID": "123456",
+    "SLURM_STEP_ID": "0",  # srun's: absent in the batch script itself
     "SLURM_NODEID": "1",
     "SLURM_TASKS_PER_NODE": "3(x2),2",
     "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.1",  # the login node: never the rendezvous
@@ -74,14 +75,15 @@ def test_refusals_name_what_is_missing_or_malformed() -> None:
     partial = {k: v for k, v in SLURM.items() if k != "SLURM_JOB_NODELIST"}
     with pytest.raises(ValueError, match="SLURM's SLURM_JOB_NODELIST are missing too"):
         detect_launch(partial)
-    with pytest.raises(ValueError, match="SLURM_PROCID must be an integer >= 0, got 'x'"):
+    with pytest.raises(ValueError, match="SLURM_PROCID must be an integer >= 0 .*, got 'x'"):
         detect_launch({**SLURM, "SLURM_PROCID": "x"})
-    with pytest.raises(ValueError, match="WORLD_SIZE must be an integer >= 1, got '0'"):
+    with pytest.raises(ValueError, match="WORLD_SIZE must be an integer >= 1 .*, got '0'"):
         detect_launch({**TORCHRUN, "WORLD_SIZE": "0"})
 
 
 def test_backend_strings_that_name_nccl() -> None:
     assert names_nccl("nccl") and names_nccl("cpu:gloo,cuda:nccl")
+    assert names_nccl("NCCL") and names_nccl("cpu:gloo, cuda:Nccl")  # torch lowercases them
     assert not names_nccl("gloo") and not names_nccl("cpu:gloo")
 
 
@@ -98,7 +100,8 @@ with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
 os.environ.update(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_LOCALID="0",
-                  SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="77", MASTER_PORT=str(port))
+                  SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="77", SLURM_STEP_ID="0",
+                  MASTER_PORT=str(port))
 device = init_distributed(timeout=30)
 print("device:", device, dist.get_world_size(), os.environ["RANK"], os.environ["MASTER_ADDR"])
 store = dist.distributed_c10d._get_default_store()._underlying_non_prefix_store
@@ -126,3 +129,81 @@ def test_which_gpu_a_rank_binds() -> None:
     unknown = detect_launch({**TORCHRUN, "LOCAL_WORLD_SIZE": ""})
     with pytest.raises(ValueError, match="LOCAL_RANK=2 but 2 GPU\\(s\\) are visible"):
         gpu_index(unknown, 2, 2)
+
+
+def test_one_gpu_per_task_binds_cuda0_on_every_local_rank() -> None:
+    """``srun --ntasks-per-node=3 --gpus-per-task=1``: each task sees one GPU; every local
+    rank, 0 included, takes cuda:0 (local rank 0 was refused: "3 ranks run on this node but
+    1 GPU(s) are visible", and without global rank 0 every other rank waited 10 minutes)."""
+    from dist_core._init import gpu_index
+
+    for local in range(3):
+        env = {**SLURM, "SLURM_LOCALID": str(local), "SLURM_PROCID": str(3 + local)}
+        launch = detect_launch(env)
+        assert launch.tasks_on_node == 3
+        assert gpu_index(launch, local, 1) == 0
+
+
+def test_the_batch_script_itself_is_not_a_rank() -> None:
+    """A plain ``python train.py`` in ``sbatch --ntasks=2`` (no srun) has the job's variables
+    but no step: refused at once (it waited for 2 ranks)."""
+    batch = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
+    with pytest.raises(ValueError, match="SLURM_STEP_ID is missing.*`srun python train.py`"):
+        detect_launch(batch)
+
+
+def test_the_step_sets_the_world_and_the_first_host() -> None:
+    """``srun -n 2`` inside a 4-node job: the step's task count and node list win."""
+    step = {**SLURM, "SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2"}
+    step.update(SLURM_STEP_NODELIST="gpu[08,11]", SLURM_LOCALID="0", SLURM_NODEID="0")
+    launch = detect_launch(step)
+    assert (launch.world_size, launch.master_addr) == (2, "gpu08")
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"SLURM_JOB_NODELIST": "a[0-99999999999]"}, "expands to more than 100,000 hosts"),
+        ({"SLURM_JOB_NODELIST": "a[0-9]," * 200_000}, "longer than 1048576"),
+        ({"SLURM_JOB_NODELIST": "a[1-" + "9" * 5000 + "]"}, "has the bad range"),
+        ({"SLURM_PROCID": "8"}, "SLURM_PROCID=8 is not below SLURM_NTASKS=8"),
+        ({"SLURM_LOCALID": "3"}, "SLURM_LOCALID=3 is not below the node's tasks \\(3\\)"),
+        ({"SLURM_JOB_ID": "\u00b2"}, "SLURM_JOB_ID must be an integer"),
+        ({"SLURM_JOB_ID": "1" * 5000}, "SLURM_JOB_ID must be an integer .*\\.\\.\\.'$"),
+        ({"SLURM_JOB_ID": "\u0661\u0662\u0663"}, "SLURM_JOB_ID must be an integer"),
+        ({"MASTER_PORT": "70000"}, "MASTER_PORT must be a TCP port"),
+    ],
+)
+def test_red_team_slurm_strings_are_refused_cheaply(changes: dict[str, str], match: str) -> None:
+    """Each is a clear ValueError, found without expanding anything (they ran to
+    MemoryError, waited for the timeout, or read Arabic-Indic digits as 123)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=match):
+            detect_launch({**SLURM, **changes})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 * 2**20 + 4 * len("".join(changes.values()))
+
+
+def test_tasks_per_node_repetitions_are_counted_not_expanded() -> None:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        env = {**SLURM, "SLURM_TASKS_PER_NODE": "2(x99999999999)", "SLURM_NODEID": "7"}
+        assert detect_launch(env).tasks_on_node == 2
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20
+
+
+def test_a_torchrun_rank_past_the_world_is_refused() -> None:
+    with pytest.raises(ValueError, match="RANK=6 is not below WORLD_SIZE=6"):
+        detect_launch({**TORCHRUN, "RANK": "6"})
+    with pytest.raises(ValueError, match="LOCAL_RANK=3 is not below LOCAL_WORLD_SIZE \\(3\\)"):
+        detect_launch({**TORCHRUN, "LOCAL_RANK": "3"})

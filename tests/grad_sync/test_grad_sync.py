@@ -197,10 +197,12 @@ def _check_count_inputs(results: list[dict[str, object]], *, others: int) -> Non
                 "bad input); this rank's input was valid",
             )
     # a tensor's bad sum is found on its device and travels with the reduction
-    assert results[0]["nan_tensor"][1].startswith("counts must be finite and >= 0: a tensor "
-                                                  "count on this rank")
-    assert results[1]["nan_tensor"][1].startswith("counts must be finite and >= 0: a tensor "
-                                                  "count on another rank")
+    assert results[0]["nan_tensor"][1].startswith(
+        "counts must be finite and >= 0: a tensor count on this rank"
+    )
+    assert results[1]["nan_tensor"][1].startswith(
+        "counts must be finite and >= 0: a tensor count on another rank"
+    )
     assert all(r["negative_tensor"][0] == "ValueError" for r in results)
     assert "on this rank" in results[1]["negative_tensor"][1]
     assert "on another rank" in results[0]["negative_tensor"][1]

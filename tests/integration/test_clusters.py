@@ -87,6 +87,24 @@ def test_srun_without_torchrun_trains_like_torchrun(slurm: dict[str, str]) -> No
     print("srun", final(srun, "fingerprint"), "torchrun", final(torchrun, "fingerprint"))
 
 
+def test_a_rank_started_without_srun_in_a_batch_script_is_refused(
+    slurm: dict[str, str], tmp_path: Path
+) -> None:
+    """``sbatch --ntasks=2`` running ``python train.py`` itself (no srun): SLURM's job
+    variables say 2 tasks, but one process runs, and it waited for its peer until the timeout.
+    init_distributed refuses it at once, naming srun."""
+    log, script = tmp_path / "job.log", tmp_path / "job.sh"
+    code = "from dist_core import init_distributed; init_distributed(timeout=30)"
+    script.write_text("#!/bin/bash\n" + shlex.join([sys.executable, "-c", code]) + "\n")
+    done = subprocess.run(
+        ["sbatch", "--wait", "-n", "2", "-o", str(log), str(script)],
+        env=slurm, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    text = log.read_text()
+    assert done.returncode != 0, text  # the job failed, with the refusal, not the timeout's
+    assert "SLURM_STEP_ID is missing" in text and "`srun python train.py`" in text, text
+
+
 def test_usr1_saves_requeues_and_the_job_resumes_to_the_same_weights(
     slurm: dict[str, str], tmp_path: Path
 ) -> None:

@@ -28,7 +28,7 @@ from dist_core._group import (
     world_size,
 )
 from dist_core._init import DEFAULT_TIMEOUT, init_distributed, names_nccl
-from dist_core._launch import Launch, detect_launch, expand_nodelist, slurm_port
+from dist_core._launch import Launch, detect_launch, expand_nodelist, slurm_job_id, slurm_port
 from dist_core._memory import MemoryPeak, current_rss
 from dist_core._wrapped import (
     Strategy,
@@ -74,6 +74,7 @@ __all__ = [
     "require_device_index",
     "require_process_group",
     "resolve_device",
+    "slurm_job_id",
     "slurm_port",
     "state_groups",
     "strategy_of",

@@ -101,7 +101,7 @@ def init_distributed(
 
 def names_nccl(backend: str) -> bool:
     """Whether a backend string uses NCCL: ``"nccl"`` or a per-device ``"cpu:gloo,cuda:nccl"``."""
-    return any(part.rpartition(":")[2].strip() == "nccl" for part in backend.split(","))
+    return any(part.rpartition(":")[2].strip().lower() == "nccl" for part in backend.split(","))
 
 
 def _bind_gpu(backend: str, local: int, launch: Launch) -> torch.device:
@@ -119,14 +119,18 @@ def _bind_gpu(backend: str, local: int, launch: Launch) -> torch.device:
 def gpu_index(launch: Launch, local: int, count: int) -> int:
     """This rank's GPU among the ``count`` visible ones (the rule, without CUDA).
 
-    ``local`` (its local rank), except under ``srun --gpus-per-task=1``, where each task sees
-    its own one GPU: 0.
+    ``local`` (its local rank), except under SLURM with one visible GPU
+    (``srun --gpus-per-task=1``), where each task sees its own one GPU: 0, for every local rank
+    (local rank 0 included: its check against the node's task count would refuse it, and
+    without global rank 0 no rank's rendezvous starts).
 
     Raises:
         ValueError: More ranks on the node than GPUs, or a local rank with no such GPU.
     """
     tasks = launch.tasks_on_node
-    if launch.launcher == "slurm" and count == 1 and local > 0:
+    # NOTE: under SLURM, one visible GPU on a node of several tasks means one GPU per task
+    # (each task's CUDA_VISIBLE_DEVICES names its own); torchrun never restricts visibility.
+    if launch.launcher == "slurm" and count == 1:
         return 0
     if tasks is not None and tasks > count:
         raise ValueError(

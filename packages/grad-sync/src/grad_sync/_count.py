@@ -163,7 +163,7 @@ def data_parallel_size(model: nn.Module) -> int:
 def _count_value(global_count: Any) -> float:
     """``global_count`` as a float: :func:`global_count`'s own results without a host sync."""
     if isinstance(global_count, torch.Tensor):
-        known = _VALIDATED.get(global_count)
+        known = _VALIDATED.get(global_count)  # type: ignore[no-untyped-call]
         if known is not None:
             return float(known)
         if global_count.numel() != 1 or global_count.dtype == torch.bool:

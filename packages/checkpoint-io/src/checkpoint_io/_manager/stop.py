@@ -11,7 +11,6 @@ caller's function) before every rank exits 0.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import subprocess
 import threading
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_io._collective import gloo_group
-from dist_core import is_distributed, log_rank0, rank
+from dist_core import is_distributed, log_rank0, rank, slurm_job_id
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +61,15 @@ class StopSignals:
                 "requeue needs a signal to act on: pass signals=(signal.SIGUSR1,) (what "
                 "sbatch --signal=USR1@120 sends) or on_sigterm=True"
             )
-        if requeue is True and not os.environ.get("SLURM_JOB_ID"):
-            raise ValueError(
-                "requeue=True runs `scontrol requeue $SLURM_JOB_ID`, but SLURM_JOB_ID is not "
-                "set (not inside a SLURM job); pass a callable that requeues with your scheduler"
-            )
+        self._job: int | None = None
+        if requeue is True:
+            try:
+                self._job = slurm_job_id()
+            except ValueError as error:
+                raise ValueError(
+                    f"requeue=True runs `scontrol requeue $SLURM_JOB_ID`, but {error}; pass a "
+                    "callable that requeues with your scheduler"
+                ) from None
         self.requeue = requeue
         self.received: signal.Signals | None = None
         self._event = threading.Event()
@@ -80,7 +83,7 @@ class StopSignals:
                 )
             self._group = gloo_group("stop") if is_distributed() else None
             for number in self.signals:
-                self._previous[number] = signal.signal(number, _handler(self, number))
+                self._previous[number] = signal.signal(number, _Handler(self, number))
 
     @property
     def active(self) -> bool:
@@ -126,7 +129,7 @@ class StopSignals:
             self.requeue()
             logger.warning("requeued the job (%s)", getattr(self.requeue, "__name__", "callable"))
             return
-        job = os.environ["SLURM_JOB_ID"]
+        job = str(self._job)
         try:
             done = subprocess.run(
                 ["scontrol", "requeue", job], capture_output=True, text=True, check=False
@@ -144,9 +147,15 @@ class StopSignals:
         logger.warning("requeued SLURM job %s", job)
 
     def restore(self) -> None:
-        """Put the previous handlers back."""
+        """Put the previous handlers back, where this object's handler is still the current one.
+
+        Where another handler was installed over this one since (a second manager), that one
+        stays: this object's handler, now inactive, passes the signal on to the handler it
+        replaced, so closing managers in any order leaves every signal handled.
+        """
         for number, previous in self._previous.items():
-            signal.signal(number, signal.SIG_DFL if previous is None else previous)
+            if getattr(signal.getsignal(number), "_stop_signals", None) is self:
+                signal.signal(number, _unwrapped(previous))
         self._previous.clear()
 
     def _notice(self, number: signal.Signals) -> None:
@@ -154,20 +163,41 @@ class StopSignals:
         self._event.set()
 
 
-def _handler(stop: StopSignals, number: signal.Signals) -> Callable[[int, Any], None]:
-    """Tell ``stop``; if it is gone, behave as before it existed."""
-    alive = weakref.ref(stop)
-    previous = signal.getsignal(number)
+class _Handler:
+    """Tells a live :class:`StopSignals`; once it is closed or gone, acts as ``previous`` did."""
 
-    def on_signal(signum: int, frame: types.FrameType | None) -> None:
-        target = alive()
+    def __init__(self, stop: StopSignals, number: signal.Signals) -> None:
+        self._alive = weakref.ref(stop)
+        self.number = number
+        self.previous = signal.getsignal(number)
+
+    @property
+    def _stop_signals(self) -> StopSignals | None:
+        return self._alive()
+
+    def __call__(self, signum: int, frame: types.FrameType | None) -> None:
+        target = self._alive()
         if target is not None and target.active:
-            target._notice(number)
+            target._notice(self.number)
             return
-        signal.signal(number, signal.SIG_DFL if previous is None else previous)
-        signal.raise_signal(signum)  # dropped without close(): do not swallow the signal
+        previous = _unwrapped(self.previous)
+        if callable(previous):
+            previous(signum, frame)  # a handler stacked under ours: it still acts
+        elif previous != signal.SIG_IGN:
+            # NOTE: the default action (or an unknown one) is taken, not swallowed: a dropped
+            # manager must not make SIGTERM harmless.
+            signal.signal(self.number, signal.SIG_DFL)
+            signal.raise_signal(signum)
 
-    return on_signal
+
+def _unwrapped(handler: Any) -> Any:
+    """``handler``, past any inactive handlers of ours (what acts when it is called)."""
+    while isinstance(handler, _Handler):
+        target = handler._stop_signals
+        if target is not None and target.active:
+            return handler
+        handler = handler.previous
+    return signal.SIG_DFL if handler is None else handler
 
 
 def _signal(value: int | str | signal.Signals) -> signal.Signals:
