@@ -101,7 +101,7 @@ def test_not_strict_lists_what_it_left(tmp_path: Path) -> None:
 
 
 def _crafted(
-    path: Path, header: object, data: bytes = b"\0" * 16, length: int | None = None
+    path: Path, header: object, data: bytes = b"\0" * 8, length: int | None = None
 ) -> None:
     text = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(text) if length is None else length) + text + data)
@@ -116,11 +116,15 @@ ENTRY = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
         ({"a": ENTRY}, {"length": 2**62}, "claims 4611686018427387904 bytes"),
         ([1, 2], {}, "JSON list, not an object"),
         ({"a": {**ENTRY, "dtype": "X99"}}, {}, "unknown dtype"),
-        ({"a": {**ENTRY, "shape": [-2]}}, {}, "not a list of ints >= 0"),
+        ({"a": {**ENTRY, "shape": [-2]}}, {}, "the dim -2, not an int >= 0"),
         ({"a": {**ENTRY, "data_offsets": [0, 10**12]}}, {}, "spans bytes"),
-        ({"a": {**ENTRY, "shape": [3]}}, {}, "holds 8 bytes, but F32 x \\(3,\\) is 12"),
-        ({"a": ENTRY, "b": {**ENTRY, "data_offsets": [4, 12]}}, {}, "overlap"),
-        ({"a": {**ENTRY, "data_offsets": [0, 8, 9]}}, {}, "not two ints"),
+        ({"a": {**ENTRY, "shape": [3]}}, {}, "spans bytes \\[0, 8\\), but F32 x \\(3,\\) is 12"),
+        (
+            {"a": ENTRY, "b": {**ENTRY, "data_offsets": [4, 12]}},
+            {"data": b"\0" * 16},
+            "an overlap at the entry 'b'",
+        ),
+        ({"a": {**ENTRY, "data_offsets": [0, 8, 9]}}, {}, "not two u64"),
     ],
 )
 def test_a_crafted_header_is_one_line_naming_the_file(
@@ -148,6 +152,11 @@ def test_fifos_links_and_names_outside_are_refused_without_hanging(tmp_path: Pat
     (linked / "model.safetensors").symlink_to(outside / "real" / "model.safetensors")
     with pytest.raises(ValueError, match="symbolic link"):
         load_pretrained(TiedNet(), linked)
+    fake_cache = tmp_path / "models--a--b" / "snapshots" / "0123"
+    fake_cache.mkdir(parents=True)  # a snapshot's link, but to a file outside its blobs/
+    (fake_cache / "model.safetensors").symlink_to(outside / "real" / "model.safetensors")
+    with pytest.raises(ValueError, match="symbolic link"):
+        load_pretrained(TiedNet(), fake_cache)
     indexed = tmp_path / "indexed"
     indexed.mkdir()
     weight_map = {"embed.weight": "../outside/real/model.safetensors"}
@@ -247,3 +256,202 @@ def test_bad_arguments_are_named_and_nothing_is_written(
         call(model, tmp_path)  # type: ignore[operator]
     assert _same(_state(model), before)
     assert sorted(p.name for p in tmp_path.iterdir()) == listed  # nothing staged or left
+
+
+def _tamper(file: Path, change: object) -> None:
+    """Rewrite ``file``'s header (and data) with ``change(header, data) -> (header, data)``."""
+    raw = file.read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    header, data = change(json.loads(raw[8 : 8 + length]), raw[8 + length :])  # type: ignore[operator]
+    text = header if isinstance(header, bytes) else json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def _last_entry(header: dict[str, object]) -> str:
+    entries = [k for k in header if k != "__metadata__"]
+    return max(entries, key=lambda k: header[k]["data_offsets"])  # type: ignore[index]
+
+
+def _gap(header: dict[str, object], data: bytes) -> tuple[object, bytes]:
+    last = header[_last_entry(header)]
+    begin, end = last["data_offsets"]  # type: ignore[index]
+    last["data_offsets"] = [begin + 4, end + 4]  # type: ignore[index]
+    return header, data[:begin] + b"\0" * 4 + data[begin:]
+
+
+def _zero_inside(header: dict[str, object], data: bytes) -> tuple[object, bytes]:
+    header["z"] = {"dtype": "F32", "shape": [0], "data_offsets": [4, 4]}
+    return header, data
+
+
+def _renamed(header: dict[str, object], new: str) -> dict[str, object]:
+    last = _last_entry(header)
+    return {new if k == last else k: v for k, v in header.items()}
+
+
+def _dims(header: dict[str, object], shape: list[int]) -> dict[str, object]:
+    header[_last_entry(header)]["shape"] = shape  # type: ignore[index]
+    return header
+
+
+RED_TEAM = {
+    "trailing bytes": (lambda h, d: (h, d + b"\0" * 4), "bytes past the last tensor"),
+    "a 4-byte gap": (_gap, "a gap before the entry"),
+    "a zero-size entry inside another": (_zero_inside, "an overlap at the entry 'z'"),
+    "a lone-surrogate name": (
+        lambda h, d: (json.dumps(_renamed(h, "\ud800")).encode(), d),
+        "a name that is not UTF-8",
+    ),
+    "dims overflowing u64": (
+        lambda h, d: (_dims(h, [2**64, 0]), d),
+        "the dim 18446744073709551616",
+    ),
+    "a product overflowing u64": (
+        lambda h, d: (_dims(h, [2**32, 2**32, 0]), d),
+        "whose size overflows 64 bits",
+    ),
+    "__metadata__ []": (lambda h, d: ({**h, "__metadata__": []}, d), "not a mapping of strings"),
+    "__metadata__ 0": (lambda h, d: ({**h, "__metadata__": 0}, d), "not a mapping of strings"),
+    "100,000 dims": (lambda h, d: (_dims(h, [10**18 + 7] * 99_999 + [0]), d), "100000 dims"),
+    "a duplicate key": (
+        lambda h, d: (json.dumps(h).encode()[:-1] + b', "__metadata__": {}}', d),
+        "holds the key '__metadata__' twice",
+    ),
+    "JSON nested 100,000 deep": (
+        lambda h, d: (b"[" * 100_000 + b"]" * 100_000, d),
+        "is not JSON|JSON list",
+    ),
+    "an integer of a million digits": (
+        lambda h, d: (json.dumps(h).encode()[:-1] + b', "n": ' + b"7" * 10**6 + b"}", d),
+        "an integer of 1000000 digits",
+    ),
+    "NaN where a count belongs": (
+        lambda h, d: (json.dumps(_dims(h, [float("nan")])).encode(), d),
+        "holds NaN, which is not JSON",
+    ),
+    "an unknown dtype": (
+        lambda h, d: ({**h, _last_entry(h): {**h[_last_entry(h)], "dtype": "Q7"}}, d),
+        "unknown dtype 'Q7'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RED_TEAM))
+def test_a_bad_last_shard_changes_nothing(tmp_path: Path, case: str) -> None:
+    """Each header safetensors itself refuses is refused before any parameter changes, in the
+    last of several shards (4 of 6 parameters had changed before the raw SafetensorError);
+    100,000 dims are refused at once (30-48 s before: the cost grew with their square)."""
+    change, message = RED_TEAM[case]
+    torch.manual_seed(0)
+    out = save_pretrained(TiedNet(vocab=64, width=16), tmp_path / "out", max_shard_size="2KB")
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    _tamper(shards[-1], change)
+    torch.manual_seed(1)
+    target = TiedNet(vocab=64, width=16)
+    before = _state(target)
+    with pytest.raises(ValueError, match=message) as raised:
+        load_pretrained(target, out, strict=False)
+    assert str(shards[-1]) in str(raised.value) and "\n" not in str(raised.value)
+    assert _same(_state(target), before)
+
+
+def test_every_header_accepted_here_is_one_safetensors_reads(tmp_path: Path) -> None:
+    """The rules are safetensors' own: what it refuses is refused (above); a valid file with a
+    zero-size tensor at its end, JSON padding and a null __metadata__ reads in both."""
+    from safetensors import safe_open
+
+    from safe_store import read_header
+
+    file = tmp_path / "ok.safetensors"
+    header = {
+        "__metadata__": None,
+        "a": ENTRY,
+        "z": {"dtype": "F32", "shape": [0, 3], "data_offsets": [8, 8]},
+    }
+    text = json.dumps(header).encode() + b"   "
+    file.write_bytes(struct.pack("<Q", len(text)) + text + b"\0" * 8)
+    assert sorted(read_header(file).entries) == ["a", "z"]
+    with safe_open(file, framework="pt") as opened:
+        assert sorted(opened.keys()) == ["a", "z"]
+
+
+def test_a_hub_cache_snapshot_loads(tmp_path: Path) -> None:
+    """Every file of a hub cache snapshot is a link into ../../blobs: followed there (and only
+    there), so the weights and --config-from read from the cache."""
+    torch.manual_seed(0)
+    source = TiedNet()
+    saved = save_pretrained(source, tmp_path / "saved", max_shard_size="1KB")
+    (saved / "config.json").write_text('{"model_type": "tied"}')
+    repo = tmp_path / "hub" / "models--org--tied"
+    snapshot = repo / "snapshots" / "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for number, file in enumerate(sorted(saved.iterdir())):
+        blob = repo / "blobs" / f"{number:064x}"
+        blob.write_bytes(file.read_bytes())
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    target = TiedNet()
+    load_pretrained(target, snapshot)
+    assert _same(_state(target), _state(source))
+    assert main(["export", str(_checkpoint(tmp_path, source)), str(tmp_path / "exp"),
+                 "--config-from", str(snapshot)]) == 0  # fmt: skip
+    assert (tmp_path / "exp" / "config.json").read_text() == '{"model_type": "tied"}'
+
+
+def _checkpoint(tmp_path: Path, model: torch.nn.Module) -> Path:
+    return save_checkpoint(tmp_path / "ckpt", model)
+
+
+def test_overwrite_replaces_only_what_save_pretrained_writes(tmp_path: Path) -> None:
+    """A run directory with step-100/ and a log: overwrite=True deleted it whole; now only the
+    earlier output's files are replaced (stale shards removed), as transformers does."""
+    run = tmp_path / "run"
+    (run / "step-100").mkdir(parents=True)
+    (run / "step-100" / "checkpoint.json").write_text("{}")
+    (run / "train.log").write_text("step 100")
+    save_pretrained(TiedNet(vocab=64, width=16), run, max_shard_size="1KB", overwrite=True)
+    assert len(list(run.glob("model-*-of-*.safetensors"))) > 1
+    torch.manual_seed(3)
+    replacement = TiedNet()
+    save_pretrained(replacement, run, overwrite=True)  # one file now: the shards are stale
+    assert sorted(p.name for p in run.iterdir()) == ["model.safetensors", "step-100", "train.log"]
+    assert (run / "step-100" / "checkpoint.json").read_text() == "{}"
+    target = TiedNet()
+    load_pretrained(target, run)
+    assert _same(_state(target), _state(replacement))
+
+
+def test_a_tie_stored_twice_with_different_values_is_refused(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in TiedNet().state_dict().items()}
+    state["head.weight"] = state["embed.weight"] + 1  # the tie, stored twice, not equal
+    save_file(state, tmp_path / "model.safetensors")
+    target = TiedNet()
+    before = _state(target)
+    with pytest.raises(ValueError, match="holds the two with different values"):
+        load_pretrained(target, tmp_path)
+    assert _same(_state(target), before)
+    state["head.weight"] = state["embed.weight"].clone()  # stored twice, equal: loads
+    save_file(state, tmp_path / "model.safetensors")
+    load_pretrained(target, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (
+            lambda m, d: save_pretrained(m, d / "o", key_map={"body.bias": "__metadata__"}),
+            ValueError,
+            "the key safetensors reserves",
+        ),
+        (lambda m, d: save_pretrained(m, "/"), ValueError, "out_dir='/' is the filesystem root"),
+        (lambda m, d: save_pretrained(m, ""), ValueError, "out_dir is empty"),
+    ],
+)
+def test_output_names_that_no_reader_opens_are_refused(
+    tmp_path: Path, call: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        call(TiedNet(), tmp_path)  # type: ignore[operator]
+    assert list(tmp_path.iterdir()) == []

@@ -86,7 +86,7 @@ def _configs_in(folder: str | os.PathLike[str] | None) -> dict[str, bytes]:
     if not root.is_dir():
         raise FileNotFoundError(f"config_from={str(root)!r} is not a directory")
     found = {
-        name: read_regular(root / name, holder="a pretrained model")
+        name: read_regular(root / name, holder="a pretrained model", hub_cache=True)
         for name in CONFIG_FILES
         if (root / name).exists()
     }

@@ -12,29 +12,14 @@ import re
 
 import torch
 
+from safe_store import DTYPES
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILES = ("config.json", "generation_config.json")
-METADATA_KEY = "__metadata__"
 FILE_METADATA = {"format": "pt"}
-# safetensors refuses headers above 100 MB; so does every reader here, before allocating one.
-MAX_HEADER_BYTES = 100_000_000
 HEADER_ALIGNMENT = 8
-
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 _UNITS = {
@@ -50,6 +35,16 @@ _UNITS = {
     "TIB": 2**40,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def earlier_output(name: str) -> bool:
+    """Whether a file in an output directory is one ``save_pretrained`` writes and replaces.
+
+    The weights, their shards and index, the configs.
+    transformers removes stale ``model-XXXXX-of-YYYYY`` shards the same way and touches
+    nothing else in the directory.
+    """
+    return name in (SINGLE_FILE, INDEX_FILE, *CONFIG_FILES) or _SHARD.fullmatch(name) is not None
 
 
 def shard_file_name(index: int, count: int) -> str:

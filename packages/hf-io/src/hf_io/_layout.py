@@ -17,11 +17,11 @@ import torch
 from hf_io._format import (
     FILE_METADATA,
     HEADER_ALIGNMENT,
-    METADATA_KEY,
     SINGLE_FILE,
     code_of,
     shard_file_name,
 )
+from safe_store import METADATA_KEY
 
 
 @dataclasses.dataclass(frozen=True)

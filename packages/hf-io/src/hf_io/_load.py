@@ -17,9 +17,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from dist_core import agree, log_rank0, open_regular
-from hf_io._header import Entry, identity
 from hf_io._names import KeyMap, Target, model_targets, rename
 from hf_io._source import Pretrained, open_pretrained
+from safe_store import Entry, identity
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def _match(
             continue
         file_name = by_model_name[found[0]]
         entry = source.tensors[file_name]
-        fault = _mismatch(target, entry)
+        fault = _mismatch(target, entry) or _tie_differs(found, by_model_name, source)
         if fault:
             faults.append(f"{found[0]!r}: {fault}")
         plan.append((target, file_name, entry))
@@ -185,6 +185,38 @@ def _mismatch(target: Target, entry: Entry) -> str | None:
     if not exact and not entry.dtype.is_floating_point:
         return f"the file holds {entry.code} for the model's floating {want.dtype}"
     return None
+
+
+def _tie_differs(found: list[str], by_model_name: dict[str, str], source: Pretrained) -> str | None:
+    """Why the file's copies of one tie cannot all be loaded into it, or ``None``.
+
+    A tie is one tensor; a file that stores it under two names with different values cannot
+    be loaded without dropping one of them silently.
+    """
+    first = source.tensors[by_model_name[found[0]]]
+    for other_name in found[1:]:
+        other = source.tensors[by_model_name[other_name]]
+        if (other.code, other.shape) != (first.code, first.shape) or not _same_bytes(first, other):
+            return (
+                f"the model ties it to {other_name!r}, but the file holds the two with "
+                "different values; load one name (key_map) or untie the model"
+            )
+    return None
+
+
+def _same_bytes(a: Entry, b: Entry, chunk: int = 1 << 24) -> bool:
+    if (a.file, a.begin) == (b.file, b.begin):
+        return True
+    with (
+        open_regular(a.file, holder="a pretrained model", hub_cache=True) as one,
+        open_regular(b.file, holder="a pretrained model", hub_cache=True) as two,
+    ):
+        for offset in range(0, a.end - a.begin, chunk):
+            size = min(chunk, a.end - a.begin - offset)
+            left = os.pread(one.fileno(), size, a.data_start + a.begin + offset)
+            if left != os.pread(two.fileno(), size, b.data_start + b.begin + offset):
+                return False
+    return True
 
 
 def _listed(names: list[str], most: int = 20) -> str:
@@ -230,7 +262,9 @@ def _local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
 def _opened(entry: Entry) -> Iterator[Any]:
     """``safe_open`` on the very file whose header was checked (no swap in between)."""
     file = entry.file
-    with open_regular(file, error=ValueError, holder="a pretrained model") as stream:
+    with open_regular(
+        file, error=ValueError, holder="a pretrained model", hub_cache=True
+    ) as stream:
         if identity(os.fstat(stream.fileno())) != entry.identity:
             raise ValueError(f"{file} changed after its header was checked; load it again")
         fd_path = f"/proc/self/fd/{stream.fileno()}"

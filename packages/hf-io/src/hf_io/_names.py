@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from dist_core import state_groups
+from safe_store import METADATA_KEY
 
 KeyMap = Mapping[str, str] | Callable[[str], str | None]
 """Names in the file -> names in the model (``load_pretrained``), or the reverse
@@ -68,6 +69,11 @@ def rename(names: Iterable[str], key_map: KeyMap | None, argument: str) -> dict[
             continue
         if not isinstance(new, str):
             raise TypeError(f"{argument} mapped {old!r} to {new!r}; names are strings")
+        if new == METADATA_KEY:
+            raise ValueError(
+                f"{argument} maps {old!r} to {METADATA_KEY!r}, the key safetensors reserves "
+                "for a file's metadata (no reader would find the tensor); map it to another name"
+            )
         if new in renamed:
             raise ValueError(
                 f"{argument} maps both {renamed[new]!r} and {old!r} to {new!r}; each name must "

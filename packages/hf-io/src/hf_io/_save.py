@@ -14,11 +14,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from dist_core import agree, is_distributed, log_rank0, unwrap_model
-from hf_io import _publish
-from hf_io._format import CONFIG_FILES, INDEX_FILE, parse_size
+from hf_io._format import CONFIG_FILES, INDEX_FILE, earlier_output, parse_size
 from hf_io._layout import Layout, plan_layout
 from hf_io._names import KeyMap, model_targets, rename
 from hf_io._write import create_files, write_part
+from safe_store import abandon, begin, check_target, output_dir, publish, staging_dir
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,9 @@ def save_pretrained(
             kept) or a callable (``None`` leaves a tensor out).
         max_shard_size: The largest file (``"5GB"``, ``"500MB"``, ``"2GiB"`` or bytes); above
             it the output is sharded, with ``model.safetensors.index.json``.
-        overwrite: Replace an existing ``out_dir``.
+        overwrite: Write into an existing ``out_dir``: the files ``save_pretrained`` writes
+            (weights, shards, index, configs) are replaced and stale shards removed, as
+            transformers does; nothing else there is touched.
 
     Returns:
         ``out_dir`` as a ``pathlib.Path``.
@@ -124,26 +126,27 @@ def write_pretrained(
         collective: Whether every rank of the default group takes part.
         extra_files: Other files to publish with the weights (``config.json``).
     """
-    out = Path(os.fspath(out_dir))
     lead = not collective or dist.get_rank() == 0
     start = time.perf_counter()
     error: Exception | None = None
     layout: Layout | None = None
-    folder = _publish.staging(out)
+    out: Path | None = None
     written = 0
     try:
+        out = output_dir(out_dir)
         if not isinstance(overwrite, bool):
             raise TypeError(f"overwrite must be a bool, got {type(overwrite).__name__}")
         size = parse_size(max_shard_size)
         tensors = describe()
         layout = plan_layout([(n, t.dtype, tuple(t.shape)) for n, t in tensors], size)
         if lead:
-            _publish.check_target(out, overwrite)
-            create_files(_publish.begin(out), layout)
+            check_target(out, overwrite)
+            create_files(begin(out), layout)
     except Exception as failure:
         error = failure
     _agree(error, "preparing the output", collective, out, lead)
-    assert layout is not None
+    assert layout is not None and out is not None
+    folder = staging_dir(out)
     try:
         for index, (name, tensor) in enumerate(tensors):
             for part, offsets in parts(tensor, index):
@@ -158,7 +161,7 @@ def write_pretrained(
                 (folder / INDEX_FILE).write_bytes(index_bytes)
             for file, content in (extra_files or {}).items():
                 (folder / file).write_bytes(content)
-            _publish.publish(folder, out)
+            publish(folder, out, stale=earlier_output)
     except Exception as failure:
         error = failure
     _agree(error, "publishing the output", collective, out, lead)
@@ -176,15 +179,17 @@ def write_pretrained(
     return out
 
 
-def _agree(error: Exception | None, what: str, collective: bool, out: Path, lead: bool) -> None:
+def _agree(
+    error: Exception | None, what: str, collective: bool, out: Path | None, lead: bool
+) -> None:
     try:
         if collective:
             agree(error, what, kinds=_KINDS)
         elif error is not None:
             raise error
     except BaseException:
-        if lead:
-            _publish.abandon(out)
+        if lead and out is not None:
+            abandon(out)
         raise
 
 

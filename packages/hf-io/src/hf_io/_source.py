@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dist_core import read_regular
 from hf_io._format import INDEX_FILE, SINGLE_FILE
-from hf_io._header import Entry, Header, read_header
+from safe_store import Entry, Header, read_header
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +53,7 @@ def open_pretrained(path: str | os.PathLike[str]) -> Pretrained:
             )
     else:
         files = {root: None}
-    headers = tuple(read_header(file) for file in files)
+    headers = tuple(read_header(file, hub_cache=True) for file in files)
     tensors: dict[str, Entry] = {}
     for header, expected in zip(headers, files.values(), strict=True):
         for name, entry in header.entries.items():
@@ -76,7 +76,9 @@ def _indexed_files(root: Path) -> dict[Path, set[str]]:
     """Each file the index names (a plain name inside ``root``) and the tensors it maps there."""
     index_file = root / INDEX_FILE
     try:
-        index = json.loads(read_regular(index_file, holder="a pretrained model").decode("utf-8"))
+        index = json.loads(
+            read_regular(index_file, holder="a pretrained model", hub_cache=True).decode("utf-8")
+        )
     except (UnicodeDecodeError, RecursionError, json.JSONDecodeError) as error:
         raise ValueError(f"{index_file} is not a JSON index ({error})") from None
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
