@@ -337,3 +337,40 @@ print("default timeout:", DEFAULT_TIMEOUT)
         in out
     )
     assert "default timeout: 0:10:00" in out
+
+
+def test_compute_device_comes_from_the_mesh_not_an_offloaded_shard() -> None:
+    """FSDP2's CPU offload keeps every shard in host memory under a CUDA mesh: the model
+    computes (and holds its RNG state) on this rank's GPU of the mesh, not on the shard's
+    device (checkpoints saved only the CPU generator). Run without CUDA over torch's fake
+    process group; DDP and a plain model keep their own rules."""
+    out = fresh_interpreter(
+        """
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from dist_core import compute_device
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+torch.cuda.current_device = lambda: 3
+
+def sharded(mesh, placements, local):  # a DTensor over a mesh this CPU build cannot use
+    meta = TensorMeta(torch.Size([4, *local.shape[1:]]), local.stride(), local.dtype)
+    spec = DTensorSpec(mesh, placements, meta)
+    return nn.Parameter(DTensor(local, spec, requires_grad=False), requires_grad=False)
+
+mesh = DeviceMesh("cuda", torch.arange(4).view(2, 2), mesh_dim_names=("replicate", "shard"),
+                  _init_backend=False)
+model = nn.Module()
+model.weight = sharded(mesh, (Replicate(), Shard(0)), torch.zeros(2, 3))
+print("offloaded", model.weight.to_local().device, compute_device(model))
+cpu_mesh = DeviceMesh("cpu", torch.arange(4), _init_backend=False)
+model.weight = sharded(cpu_mesh, (Shard(0),), torch.zeros(1, 3))
+print("cpu", compute_device(model), compute_device(nn.Linear(1, 1)), compute_device(nn.Module()))
+dist.destroy_process_group()
+"""
+    )
+    assert "offloaded cpu cuda:3" in out
+    assert "cpu cpu cpu cpu" in out

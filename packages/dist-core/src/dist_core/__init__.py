@@ -32,8 +32,10 @@ from dist_core._launch import Launch, detect_launch, expand_nodelist, slurm_job_
 from dist_core._memory import MemoryPeak, current_rss
 from dist_core._wrapped import (
     Strategy,
+    compute_device,
     fsdp_modules,
     local_tensor,
+    mesh_device,
     state_groups,
     strategy_of,
     unwrap_compiled,
@@ -53,6 +55,7 @@ __all__ = [
     "bound_device",
     "check_forward_methods",
     "check_wrap_preconditions",
+    "compute_device",
     "current_rss",
     "detect_launch",
     "expand_nodelist",
@@ -65,6 +68,7 @@ __all__ = [
     "local_tensor",
     "log_rank0",
     "make_dirs",
+    "mesh_device",
     "names_nccl",
     "on_device",
     "open_regular",

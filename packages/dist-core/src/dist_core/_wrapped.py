@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DataParallel, DistributedDataParallel
@@ -113,3 +115,36 @@ def strategy_of(model: nn.Module) -> Strategy:
                     return "hsdp" if mesh.ndim == 2 else "fsdp"
             return "fsdp"
     return "none"
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device of ``mesh``'s type: ``cpu``, or the current accelerator index.
+
+    FSDP2 computes on this device (``fully_shard`` takes it from the mesh the same way) and its
+    mesh's process groups take tensors there, whatever device the shards live on.
+    """
+    kind = str(mesh.device_type)
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """The device ``model`` computes on: its RNG, its collectives and its CUDA state live there.
+
+    - FSDP2 or HSDP (a ``DTensor`` parameter): :func:`mesh_device` of its mesh.
+    - DDP with ``device_ids``: that device.
+    - Otherwise the first parameter's or buffer's device; ``cpu`` for a model without either.
+    """
+    # NOTE: not the device of the first parameter: under FSDP2's CPU offload every shard is in
+    # host memory while the model computes on the mesh's accelerator (a checkpoint that read
+    # the shard's device saved, restored and seeded only the CPU generator).
+    inner = unwrap_compiled(model)
+    for param in inner.parameters():
+        if isinstance(param, DTensor):
+            return mesh_device(param.device_mesh)
+        break
+    if isinstance(inner, DistributedDataParallel) and inner.device_ids:
+        return torch.device(inner.device_type, inner.device_ids[0])
+    first = next(itertools.chain(inner.parameters(), inner.buffers()), None)
+    return torch.device("cpu") if first is None else first.device

@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dist_core import mesh_device
+
 
 def clip_grad_norm(
     model: nn.Module,
@@ -111,13 +113,7 @@ def reduce_device(mesh: Any, where: torch.device) -> torch.device:
     148532). The partial norm is a scalar, so it goes to this rank's device of the mesh's type
     for the reduction; on a CPU mesh it stays where it is.
     """
-    kind = str(mesh.device_type)
-    if where.type == kind:
-        return where
-    if kind == "cpu":
-        return torch.device("cpu")
-    module = getattr(torch, kind)
-    return torch.device(kind, module.current_device())
+    return where if where.type == str(mesh.device_type) else mesh_device(mesh)
 
 
 def _power(

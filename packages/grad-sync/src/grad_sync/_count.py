@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from dist_core import all_reduce_agreed, fsdp_modules, strategy_of, unwrap_compiled
+from dist_core import all_reduce_agreed, fsdp_modules, mesh_device, strategy_of, unwrap_compiled
 
 __all__ = ["count_mean", "data_parallel_size", "global_count"]
 
@@ -252,10 +252,7 @@ def _reduction(model: nn.Module) -> tuple[list[dist.ProcessGroup | None] | None,
         mesh = _mesh(model)
         if mesh is None:
             return None, torch.device("cpu")
-        device = torch.device(mesh.device_type)
-        if device.type != "cpu":
-            index = torch.get_device_module(device.type).current_device()
-            device = torch.device(device.type, index)
+        device = mesh_device(mesh)
         if mesh.size() == dist.get_world_size():
             return [None], device  # one all-reduce over every rank
         return [mesh.get_group(dim) for dim in range(mesh.ndim)], device

@@ -18,7 +18,13 @@ from checkpoint_io._collective import from_rank0
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.index import saved_entries
 from checkpoint_io._format.manifest import MODEL
-from dist_core import local_tensor, rank, require_current_device, state_groups, unwrap_model
+from dist_core import (
+    compute_device,
+    rank,
+    require_current_device,
+    state_groups,
+    unwrap_model,
+)
 from replica_init import state_fingerprint
 from strategy_config import did_you_mean
 
@@ -29,9 +35,9 @@ def require_model_device(model: nn.Module, caller: str) -> None:
     Raises:
         ValueError: Naming the device and the ``set_device`` call to make.
     """
-    first = next(itertools.chain(model.parameters(), model.buffers()), None)
-    if first is not None:
-        require_current_device(first.device, caller=caller, argument="the model's device")
+    if next(itertools.chain(model.parameters(), model.buffers()), None) is not None:
+        device = compute_device(model)
+        require_current_device(device, caller=caller, argument="the model's device")
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -144,7 +150,5 @@ def model_class(model: nn.Module) -> str:
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """The device of the model's first parameter (this rank's device)."""
-    for param in model.parameters():
-        return local_tensor(param).device
-    return torch.device("cpu")
+    """The device the model computes on (the mesh's under FSDP2, even with CPU offload)."""
+    return compute_device(model)
