@@ -138,6 +138,7 @@ def _drift_checks(rank: int) -> dict[str, Any]:
     nudged = replica_drift(ddp)
     out["drift_nudged"] = (nudged.drifted, nudged.tensor, nudged.ranks, nudged.max_abs_diff)
     out["drift_line"] = str(nudged)
+    out["drift_chunked"] = _chunked_drift(ddp)
     sharded = _shard(
         build_replicated_model(
             ToyNet, PARAMS, device=rank_device(), default_dtype=torch.float32, seed=3
@@ -145,6 +146,35 @@ def _drift_checks(rank: int) -> dict[str, Any]:
     )
     out["drift_fsdp"] = (replica_drift(sharded).compared, str(replica_drift(sharded)))
     return out
+
+
+def _chunked_drift(ddp: nn.Module) -> dict[str, Any]:
+    """The nudged tensor measured through a 16-byte chunk: no gather of the whole tensor (it
+    gathered one copy per rank onto every rank), at most one chunk in flight."""
+    from replica_init import _drift, replica_drift
+
+    sizes: list[int] = []
+    broadcast, gather = dist.broadcast, dist.all_gather
+
+    def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(tensor.numel() * tensor.element_size())
+        return broadcast(tensor, *args, **kwargs)
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("replica_drift gathered a whole tensor")
+
+    chunk, _drift.CHUNK_BYTES = _drift.CHUNK_BYTES, 16
+    dist.broadcast, dist.all_gather = spy, refused  # type: ignore[assignment]
+    try:
+        report = replica_drift(ddp)
+    finally:
+        _drift.CHUNK_BYTES = chunk
+        dist.broadcast, dist.all_gather = broadcast, gather  # type: ignore[assignment]
+    return {
+        "found": (report.tensor, report.ranks, report.max_abs_diff),
+        "largest": max(sizes),
+        "chunks": len(sizes),
+    }
 
 
 def _shard(model: nn.Module) -> nn.Module:

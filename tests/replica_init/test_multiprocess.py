@@ -129,6 +129,9 @@ def test_replica_drift_names_a_nudged_parameter_and_its_rank(ranks: list[dict[st
         assert drifted is True and tensor == "param:blocks.1.mlp.0.weight" and differing == [1]
         assert worst == pytest.approx(1e-3, rel=1e-3)
         assert "param:blocks.1.mlp.0.weight differs on ranks [1] from rank 0" in rank["drift_line"]
+        chunked = rank["drift_chunked"]
+        assert chunked["found"] == ("param:blocks.1.mlp.0.weight", [1], worst)
+        assert chunked["largest"] == 16 and chunked["chunks"] > 1
         assert rank["drift_fsdp"] == (0, "replica drift: nothing replicated to compare")
     assert ranks[0]["drift_norms"] == ranks[1]["drift_norms"]
 

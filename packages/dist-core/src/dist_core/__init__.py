@@ -21,13 +21,15 @@ from dist_core._durable import fsync_dir, fsync_file, fsync_tree, make_dirs
 from dist_core._files import open_regular, read_regular
 from dist_core._group import (
     bound_device,
+    collective_device,
     is_distributed,
     log_rank0,
+    names_nccl,
     rank,
     require_process_group,
     world_size,
 )
-from dist_core._init import DEFAULT_TIMEOUT, init_distributed, names_nccl
+from dist_core._init import DEFAULT_TIMEOUT, init_distributed
 from dist_core._launch import Launch, detect_launch, expand_nodelist, slurm_job_id, slurm_port
 from dist_core._memory import MemoryPeak, current_rss
 from dist_core._wrapped import (
@@ -55,6 +57,7 @@ __all__ = [
     "bound_device",
     "check_forward_methods",
     "check_wrap_preconditions",
+    "collective_device",
     "compute_device",
     "current_rss",
     "detect_launch",

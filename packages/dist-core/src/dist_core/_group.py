@@ -45,6 +45,22 @@ def bound_device(group: dist.ProcessGroup | None = None) -> torch.device | None:
     return bound if isinstance(bound, torch.device) else None
 
 
+def names_nccl(backend: str) -> bool:
+    """Whether a backend string uses NCCL: ``"nccl"`` or a per-device ``"cpu:gloo,cuda:nccl"``."""
+    return any(part.rpartition(":")[2].strip().lower() == "nccl" for part in backend.split(","))
+
+
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a tensor collective on ``group`` takes its tensors.
+
+    This rank's current CUDA device under a backend that names NCCL, else the host. Host
+    tensors (a CPU-offloaded shard) are copied there first: an NCCL group refuses them.
+    """
+    if names_nccl(str(dist.get_backend(group))) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def rank() -> int:
     """This process's rank in the default group; ``0`` without a group."""
     return dist.get_rank() if is_distributed() else 0

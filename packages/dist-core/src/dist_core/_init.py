@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 from torch.distributed.rendezvous import rendezvous
 
-from dist_core._group import is_distributed
+from dist_core._group import is_distributed, names_nccl
 from dist_core._launch import Launch, detect_launch
 
 logger = logging.getLogger(__name__)
@@ -97,11 +97,6 @@ def init_distributed(
         "initialized rank %d of %d (%s, %s) on %s", rank, world, launch.launcher, chosen, device
     )
     return device
-
-
-def names_nccl(backend: str) -> bool:
-    """Whether a backend string uses NCCL: ``"nccl"`` or a per-device ``"cpu:gloo,cuda:nccl"``."""
-    return any(part.rpartition(":")[2].strip().lower() == "nccl" for part in backend.split(","))
 
 
 def _bind_gpu(backend: str, local: int, launch: Launch) -> torch.device:

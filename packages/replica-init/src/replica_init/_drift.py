@@ -10,7 +10,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dist_core import is_distributed, local_tensor, strategy_of, unwrap_compiled, unwrap_model
+from dist_core import (
+    collective_device,
+    is_distributed,
+    local_tensor,
+    strategy_of,
+    unwrap_compiled,
+    unwrap_model,
+)
 from replica_init._fingerprint import combine, digest_entry, named_state_tensors
 
 
@@ -62,9 +69,13 @@ def replica_drift(model: nn.Module) -> DriftReport:
     plain model in one process replicate nothing: the report says so (``compared == 0``).
 
     Cheap enough for every N steps: each rank hashes its tensors and one gather of
-    ``(fingerprint, grad norm)`` decides; only on a difference are the per-tensor digests
-    gathered, and then the one differing tensor, for its largest difference. Collective over
-    the replica group (every rank calls it at the same step).
+    ``(fingerprint, grad norm)`` decides. Only on a difference does more travel: the group's
+    first rank broadcasts its per-tensor digests (one MIN all-reduce finds the first differing
+    tensor), then that tensor in fixed-size chunks (each rank takes its largest difference as
+    they pass: extra memory is one chunk, whatever the tensor's size and the group's), and one
+    MAX all-reduce gathers who differs and by how much. Host-resident shards (CPU offload)
+    travel through the group's device. Collective over the replica group (every rank calls it
+    at the same step).
 
     Args:
         model: The model as the trainer holds it (plain, DDP, FSDP, HSDP, compiled).
@@ -83,17 +94,28 @@ def replica_drift(model: nn.Module) -> DriftReport:
     norms = [value for _, value in fingerprints]
     if len({fingerprint for fingerprint, _ in fingerprints}) == 1:
         return DriftReport(len(tensors), members, drifted=False, grad_norms=norms)
-    everyone: list[list[tuple[str, str]]] = [[] for _ in members]
-    dist.all_gather_object(everyone, digests, group=group)
-    index, differing = _first_difference(everyone)
+    device = collective_device(group)
+    first: list[object] = [digests]
+    dist.broadcast_object_list(first, group=group, group_src=0)
+    reference: list[tuple[str, str]] = first[0]  # type: ignore[assignment]
+    mine = next(
+        (i for i, (a, b) in enumerate(zip(digests, reference, strict=True)) if a != b), len(tensors)
+    )
+    found = torch.tensor([mine], dtype=torch.int64, device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MIN, group=group)
+    index = int(found.item())
     name, tensor = tensors[index]
-    worst = _max_abs_diff(tensor, group, len(members))
+    verdict = torch.zeros(len(members) + 1, dtype=torch.float64, device=device)
+    verdict[dist.get_rank(group)] = float(digests[index] != reference[index])
+    verdict[-1] = _max_abs_diff(tensor, group, device)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=group)
+    *flags, worst = verdict.tolist()
     return DriftReport(
         len(tensors),
         members,
         drifted=True,
         tensor=name,
-        ranks=[members[position] for position in differing],
+        ranks=[members[position] for position, flag in enumerate(flags) if flag],
         max_abs_diff=worst,
         grad_norms=norms,
     )
@@ -115,29 +137,48 @@ def _replicated(
 
 
 def _grad_norm(model: nn.Module) -> float | None:
-    grads = []
+    """The 2-norm of this rank's local gradients, in float64, with one host read per device."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for param in model.parameters():
-        grad = param.grad
-        if grad is not None:
-            grads.append(local_tensor(grad).detach())
-    if not grads:
+        if param.grad is not None:
+            grad = local_tensor(param.grad).detach()
+            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    if not by_kind:
         return None
-    return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    squares = 0.0
+    for grads in by_kind.values():
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+        squares += float(torch.linalg.vector_norm(torch.stack(norms)).item()) ** 2
+    return math.sqrt(squares)
 
 
-def _first_difference(everyone: list[list[tuple[str, str]]]) -> tuple[int, list[int]]:
-    """The first tensor whose digest differs (its index), and who differs from the first rank."""
-    for index, first in enumerate(everyone[0]):
-        others = [rank for rank, digests in enumerate(everyone) if digests[index] != first]
-        if others:
-            return index, others
-    return 0, []
+CHUNK_BYTES = 64 << 20
+"""The most bytes of a differing tensor in flight at once while its difference is measured."""
 
 
-def _max_abs_diff(tensor: torch.Tensor, group: dist.ProcessGroup, size: int) -> float:
-    """The largest absolute difference of ``tensor`` from the group's first rank's copy."""
-    mine = tensor.detach().contiguous()
-    copies = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(copies, mine, group=group)
-    first = copies[0].double()
-    return max(float((copy.double() - first).abs().max()) for copy in copies)
+def _max_abs_diff(
+    tensor: torch.Tensor, group: dist.ProcessGroup, device: torch.device
+) -> torch.Tensor:
+    """The largest absolute difference of ``tensor`` from the group's first rank's copy.
+
+    The first rank broadcasts its copy chunk by chunk through one buffer on ``device``; each
+    rank folds its own difference into a scalar there: this rank's difference, a ``float64``
+    scalar on ``device`` (no host sync).
+    """
+    flat = tensor.detach().reshape(-1)
+    chunk = max(1, CHUNK_BYTES // max(1, flat.element_size()))
+    wide = torch.promote_types(flat.dtype, torch.float64)
+    buffer = torch.empty(min(chunk, flat.numel()), dtype=flat.dtype, device=device)
+    worst = torch.zeros((), dtype=torch.float64, device=device)
+    first = dist.get_rank(group) == 0
+    for begin in range(0, flat.numel(), chunk):
+        part = flat[begin : begin + chunk]
+        theirs = buffer[: part.numel()]
+        if first:
+            theirs.copy_(part)
+        dist.broadcast(theirs, group=group, group_src=0)
+        if not first:
+            difference = (part.to(device).to(wide) - theirs.to(wide)).abs().amax()
+            worst = torch.maximum(worst, difference.to(torch.float64))
+    # NOTE: a NaN difference is reported as inf: NCCL's MAX of a NaN is not defined.
+    return torch.nan_to_num(worst, nan=math.inf)
