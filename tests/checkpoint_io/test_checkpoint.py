@@ -749,6 +749,37 @@ print("ok")
     assert fresh_interpreter(code).strip().endswith("ok")
 
 
+def test_staging_pins_exact_sizes_once_and_unpins_what_it_drops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pinning rule a CUDA run relies on, executed here: each staging buffer of a device
+    tensor is registered at its storage's exact size (pin_memory=True went through CUDA's
+    caching host allocator, which rounds every block up to a power of two and keeps it), once
+    for as long as it is reused, and unregistered when a changed shape drops it."""
+    import gc
+
+    from checkpoint_io._write import staging
+
+    registered: dict[int, int] = {}
+    monkeypatch.setattr(staging, "pinned", lambda source: True)  # as if on a GPU
+    monkeypatch.setattr(staging, "_REGISTER", lambda a, n: registered.__setitem__(a, n))
+    monkeypatch.setattr(staging, "_UNREGISTER", registered.pop)
+    monkeypatch.setattr(staging, "_BUFFERS", {})
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", None)  # never through the caching allocator
+    state = {"a": torch.zeros(1000, 3), "b": torch.zeros(5, dtype=torch.bfloat16)}
+    staging.stage(state)
+    assert sorted(registered.values()) == [10, 12_000]  # 1000 x 3 x 4 bytes, not 16384
+    staging.stage(state)
+    assert len(registered) == 2  # kept buffers: nothing pinned again
+    staging.stage({**state, "a": torch.zeros(7)})
+    gc.collect()
+    assert sorted(registered.values()) == [10, 28]  # the dropped buffer was unpinned
+    staging._BUFFERS.clear()
+    gc.collect()
+    assert registered == {}
+
+
 def test_a_background_save_whose_directory_cannot_be_made_raises(tmp_path: Path) -> None:
     """The directory is made in the background save's planning: a failure there raises from
     wait() (it returned the path while nothing was written), and nothing is left behind."""

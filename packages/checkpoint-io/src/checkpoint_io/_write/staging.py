@@ -11,7 +11,11 @@ Buffers for device tensors are pinned (page-locked) host memory: the device writ
 DMA, each copy is issued without blocking, and the save waits once for all of them (pageable
 buffers made every copy a blocking bounce through a driver buffer). Host tensors get pageable
 buffers: pinning needs an accelerator and buys a CPU-to-CPU copy nothing. :func:`pinned` is
-that rule, and a kept buffer is reused only where its pinning matches it.
+that rule, and a kept buffer is reused only where its pinning matches it. A buffer is pinned at
+its exact size (an ordinary host allocation registered with the driver, and unregistered when
+the buffer is freed): CUDA's caching host allocator, behind ``pin_memory=True``, rounds each
+block up to a power of two and keeps it for the process's life, up to twice the page-locked
+memory of the state.
 
 What a background save hands DCP is on the host, whatever device the model is on: a
 ``DTensor`` is rebuilt over its host shard with the original's spec (as torch's own stager
@@ -23,6 +27,8 @@ type (on a CUDA mesh: a second device copy of the whole state while the next ste
 from __future__ import annotations
 
 import copy
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -102,6 +108,39 @@ def pinned(source: torch.Tensor) -> bool:
     return source.device.type == "cuda"
 
 
+def pin_exact(buffer: torch.Tensor) -> None:
+    """Page-lock exactly ``buffer``'s storage for the life of that storage.
+
+    Raises:
+        RuntimeError: If the driver refuses (its error code named).
+    """
+    # NOTE: the bytes pinned are the storage's own, never rounded: sum(nbytes) over the
+    # buffers, which the test of this module checks through _REGISTER.
+    storage = buffer.untyped_storage()
+    address, size = storage.data_ptr(), storage.nbytes()
+    if size == 0:
+        return
+    _REGISTER(address, size)
+    weakref.finalize(storage, _UNREGISTER, address).atexit = False
+
+
+def _cuda_register(address: int, size: int) -> None:
+    code = int(torch.cuda.cudart().cudaHostRegister(address, size, 0))
+    if code != 0:
+        raise RuntimeError(
+            f"checkpoint-io could not pin a {size}-byte staging buffer (cudaHostRegister "
+            f"error {code}); the host's page-locked memory limit may be too low (ulimit -l)"
+        )
+
+
+def _cuda_unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
+_REGISTER: Callable[[int, int], None] = _cuda_register
+_UNREGISTER: Callable[[int], None] = _cuda_unregister
+
+
 def require_host_only(state: Any, path: str = "state") -> None:
     """Check that every tensor of ``state`` (a ``DTensor``'s local shard too) is on the host.
 
@@ -149,7 +188,9 @@ def _host_copy(
     key = (source.shape, source.stride(), source.dtype, pin)
     buffer, made_for = kept.get(path, (None, None))
     if buffer is None or made_for != key:
-        buffer = torch.empty_like(source, device="cpu", pin_memory=pin)
+        buffer = torch.empty_like(source, device="cpu")
+        if pin:
+            pin_exact(buffer)
     buffer.copy_(source, non_blocking=pin)  # stage() waits once per device for all of them
     if pin:
         _DEVICES.add(source.device)
