@@ -762,7 +762,7 @@ def test_staging_pins_exact_sizes_once_and_unpins_what_it_drops(
 
     registered: dict[int, int] = {}
     monkeypatch.setattr(staging, "pinned", lambda source: True)  # as if on a GPU
-    monkeypatch.setattr(staging, "_REGISTER", lambda a, n: registered.__setitem__(a, n))
+    monkeypatch.setattr(staging, "_REGISTER", registered.__setitem__)
     monkeypatch.setattr(staging, "_UNREGISTER", registered.pop)
     monkeypatch.setattr(staging, "_BUFFERS", {})
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)

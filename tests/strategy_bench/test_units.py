@@ -406,6 +406,21 @@ def test_the_probe_times_a_cuda_collective_without_a_host_sync_inside(
     one = ["barrier", "sync", "record", "call", "record"]
     assert log == [*one, *one, "sync"]
     assert seconds == [2.0, 2.0]  # two log entries from start to end, in seconds
+    log.clear()
+    seconds = aligned_seconds(
+        lambda: log.append("call"), repeats=2, device=torch.device("cuda"), calls=4
+    )
+    batch = ["barrier", "sync", "record", "call", "call", "call", "call", "record"]
+    assert log == [*batch, *batch, "sync"]  # k calls between two events, no sync inside
+    assert seconds == [5.0 / 4, 5.0 / 4]  # the sample divided by k
+
+
+def test_the_probe_batches_the_small_messages() -> None:
+    """Latency-bound sizes are timed 20 calls a sample (one call on an idle stream measured
+    its launch and the ranks' skew); 64 MiB one call, so a sample stays bounded."""
+    from strategy_bench.measure._probe import calls_per_sample
+
+    assert [calls_per_sample(2**20 * m) for m in (0.0625, 1, 16, 64, 256)] == [20, 20, 4, 1, 1]
 
 
 def test_an_unknown_accumulation_sync_is_refused_by_name() -> None:

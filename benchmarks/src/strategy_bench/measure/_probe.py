@@ -32,7 +32,19 @@ where the latency shows, up to 64 MiB, where the bandwidth does."""
 PROBE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 _REPEATS = 5
-"""Timed calls per collective and size (after one untimed); the median is fitted."""
+"""Timed samples per collective and size (after one untimed call); the median is fitted."""
+
+_BATCH_BYTES = 64 << 20
+_MOST_CALLS = 20
+
+
+def calls_per_sample(size: int) -> int:
+    """How many calls of ``size`` bytes one timed sample holds.
+
+    20 (nccl-tests' count) for the small messages whose time is mostly latency, fewer as the
+    bytes grow (64 MiB: one), so that a sample moves at most 64 MiB per rank.
+    """
+    return max(1, min(_MOST_CALLS, _BATCH_BYTES // max(1, size)))
 
 
 def bus_factor(kind: str, ranks: int) -> float:
@@ -232,6 +244,8 @@ def _time_size(
         call()  # untimed: the first call of a size sets up its buffers
         # Every group's call at once (they share the host and the network); on CUDA timed
         # by events, with no host sync inside.
-        spent = aligned_seconds(call, repeats=_REPEATS, device=device)
+        spent = aligned_seconds(
+            call, repeats=_REPEATS, device=device, calls=calls_per_sample(numel * 4)
+        )
         out[kind] = (numel * 4, statistics.median(spent))
     return out

@@ -73,14 +73,16 @@ def time_steps(
 
 
 def aligned_seconds(
-    call: Callable[[], object], *, repeats: int, device: torch.device
+    call: Callable[[], object], *, repeats: int, device: torch.device, calls: int = 1
 ) -> list[float]:
     """``call``'s seconds on this rank, ``repeats`` times, every rank starting each together.
 
-    Before each call, a world barrier and (CUDA) a device sync, outside the timed region. On
-    CUDA the call is timed with CUDA events, so no host sync sits inside it (one around an
-    NCCL collective adds about its own latency again); elsewhere with the host clock (gloo's
-    calls return when they are done).
+    Each sample times ``calls`` calls back to back and divides by ``calls`` (as nccl-tests
+    does): the host's launch time overlaps the queued work and the ranks' skew at the start is
+    paid once per sample, not once per call. Before each sample, a world barrier and (CUDA) a
+    device sync, outside the timed region. On CUDA the sample is timed with CUDA events, so no
+    host sync sits inside it (one around an NCCL collective adds about its own latency again);
+    elsewhere with the host clock (gloo's calls return when they are done).
     """
     if device.type == "cuda":
         events = []
@@ -91,17 +93,19 @@ def aligned_seconds(
             start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
             start.record(stream)
-            call()
+            for _ in range(calls):
+                call()
             end.record(stream)
             events.append((start, end))
         torch.cuda.synchronize(device)
-        return [float(start.elapsed_time(end)) / 1e3 for start, end in events]
+        return [float(start.elapsed_time(end)) / 1e3 / calls for start, end in events]
     spent = []
     for _ in range(repeats):
         dist.barrier()
         begin = time.perf_counter()
-        call()
-        spent.append(time.perf_counter() - begin)
+        for _ in range(calls):
+            call()
+        spent.append((time.perf_counter() - begin) / calls)
     return spent
 
 
