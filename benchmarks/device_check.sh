@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared device check, from the source tree: a probe, the CUDA/NCCL tests, FSDP's init
-# memory, the CUDA benchmark, the estimate's agreement with it (the peak included), a short
-# knob sweep and a single-process clip/save/load.
+# memory, a single-process clip/save/load, the paths that act differently on CUDA on one NCCL
+# rank (benchmarks/device_paths.py), the CUDA benchmark, the estimate's agreement with it (the
+# peak included) and a short knob sweep.
 #
 # For a GPU machine without nox or network (torch, matplotlib, pytest and numpy preinstalled):
 #     OUT=/somewhere bash benchmarks/device_check.sh
@@ -19,7 +20,8 @@
 # 10 s reserve for the summary and the packing, the plan is printed first, each step gets at
 # most its own cap and never more than what is left, and the bench and the sweep end cleanly
 # (--time-budget) before their cap kills them (--timeout). The script exits 1 if any step
-# failed or was skipped (a step's status is its own command's, never a pipe's last).
+# failed or was skipped (a step's status is its own command's, never a pipe's last); a bench
+# or sweep step that skipped points to keep to its time budget is "partial", not ok.
 #
 # At one GPU every run is world size 1: FSDP2 issues no collective and DDP's all-reduce of one
 # rank moves nothing, so NCCL's all-gather and reduce-scatter are not exercised and no
@@ -47,7 +49,7 @@ reserve=10
 
 # Each step's cap in seconds, in the order the steps run; they add up to at most
 # BUDGET - reserve (400 - 10) so that a healthy device ends with every step ok.
-CAPS="probe:30 tests:80 fsdp_init_memory:60 single_process:30 bench:110 estimate_agreement:30 sweep:50"
+CAPS="probe:25 tests:75 fsdp_init_memory:55 single_process:25 device_paths:45 bench:95 estimate_agreement:30 sweep:40"
 cap_of() {
   local entry
   for entry in $CAPS; do
@@ -154,6 +156,12 @@ assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 print(f"single process on {device}: clip norm {float(norm):.4f}, save and load exact")
 PY
 
+# The paths that act differently on CUDA, on one NCCL rank started by init_distributed:
+# prepare_model(fsdp, offload=cpu, selective checkpointing, compile), a step and clip_grad_norm
+# (the norm reduced on the mesh's device while the shards live on the host), a checkpoint whose
+# RNG file holds the CUDA state, save_pretrained / load_pretrained on CUDA shards.
+step device_paths "$py" benchmarks/device_paths.py
+
 # small and medium: large (sixteen 5.4 GB wraps, four checkpoint operations of a 16 GB
 # state) does not fit the bench's share of the budget.
 models="${MODELS:-small medium}"
@@ -200,22 +208,33 @@ step sweep bash -c '"$0" -m strategy_bench sweep --device "$1" --models "$2" --d
   --timeout "$((STEP_LIMIT > 30 ? STEP_LIMIT - 10 : STEP_LIMIT))"' \
   "$py" "$device" "$sweep_model" "$dtype" "$knobs" "$work/sweep"
 
-"$py" - "$steps_file" "$out/summary.json" "$device" "$budget" "$((SECONDS - start))" "$CAPS" <<'PY'
+"$py" - "$steps_file" "$out/summary.json" "$device" "$budget" "$((SECONDS - start))" "$CAPS" \
+  "$work" <<'PY'
 import json
+import os
 import sys
 
-steps_file, summary, device, budget, total, caps = sys.argv[1:]
+steps_file, summary, device, budget, total, caps, work = sys.argv[1:]
 steps = []
 for line in open(steps_file, encoding="utf-8"):
     name, rc, seconds, limit = line.rstrip("\n").split("\t")
-    steps.append({
+    entry = {
         "name": name,
         "status": "skipped" if rc == "skipped" else ("ok" if rc == "0" else "failed"),
         "exit_code": None if rc == "skipped" else int(rc),
         "seconds": int(seconds),
         "limit_s": int(limit),
         "log": f"logs.tar.gz:{name}.log",
-    })
+    }
+    # A point the bench or the sweep skipped to keep to its time budget was not measured.
+    results = os.path.join(work, name, "results.json")
+    if entry["status"] == "ok" and os.path.isfile(results):
+        with open(results, encoding="utf-8") as f:
+            skipped = json.load(f).get("skipped", [])
+        if skipped:
+            entry["status"] = "partial"
+            entry["skipped_points"] = len(skipped)
+    steps.append(entry)
 ok = all(s["status"] == "ok" for s in steps)
 planned = {name: int(cap) for name, cap in (entry.split(":") for entry in caps.split())}
 payload = {"device": device, "budget_s": int(budget), "planned_s": sum(planned.values()),

@@ -38,6 +38,7 @@ def test_budget_is_kept_and_each_step_is_recorded(tmp_path: Path) -> None:
         "tests",
         "fsdp_init_memory",
         "single_process",
+        "device_paths",
         "bench",
         "estimate_agreement",
         "sweep",
@@ -45,7 +46,7 @@ def test_budget_is_kept_and_each_step_is_recorded(tmp_path: Path) -> None:
     with tarfile.open(tmp_path / "logs.tar.gz") as logs:
         packed = {Path(name).name for name in logs.getnames()}
     for entry in summary["steps"]:
-        assert entry["status"] in ("ok", "failed", "skipped")
+        assert entry["status"] in ("ok", "failed", "skipped", "partial")
         assert entry["seconds"] <= entry["limit_s"] + 6
         if entry["status"] != "skipped":
             assert entry["log"] == f"logs.tar.gz:{entry['name']}.log"
@@ -56,6 +57,27 @@ def test_budget_is_kept_and_each_step_is_recorded(tmp_path: Path) -> None:
     assert len(files) <= 8, files
     assert all(p.parent == tmp_path for p in files)
     assert {"summary.json", "logs.tar.gz"} <= {p.name for p in files}
+
+
+def test_a_step_whose_points_were_skipped_is_partial_not_ok(tmp_path: Path) -> None:
+    """The bench's --time-budget skips points and exits 0: the summary said ok while points
+    went unmeasured. Only the summary runs here (the steps' records given)."""
+    text = SCRIPT.read_text()
+    summary_code = text[text.index("<<'PY'\nimport json\nimport os") + 6 : text.rindex("\nPY\n")]
+    work = tmp_path / "work"
+    (work / "bench").mkdir(parents=True)
+    (work / "bench" / "results.json").write_text(json.dumps({"skipped": [{"model": "medium"}]}))
+    steps = work / "steps.tsv"
+    steps.write_text("device_paths\t0\t12\t45\nbench\t0\t80\t95\n")
+    done = subprocess.run(
+        [sys.executable, "-", str(steps), str(tmp_path / "s.json"), "cuda", "400", "92",
+         "device_paths:45 bench:95", str(work)],
+        input=summary_code, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert done.returncode == 1 and summary["ok"] is False
+    assert [s["status"] for s in summary["steps"]] == ["ok", "partial"]
+    assert summary["steps"][1]["skipped_points"] == 1
 
 
 def test_the_bench_step_takes_one_checkpoint_sample() -> None:
