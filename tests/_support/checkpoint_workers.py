@@ -24,7 +24,6 @@ from checkpoint_io import (
     load_checkpoint,
     save_checkpoint,
 )
-from checkpoint_io._format.metadata import read_metadata
 from dist_harness import rank_device
 
 
@@ -216,7 +215,7 @@ def everything(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     train(wrong, opt5, torch.optim.lr_scheduler.StepLR(opt5, 1), rank, range(1))
     weights, moments, rng = full(wrong), optimizer_snapshot(opt5), torch.get_rng_state()
     if rank == 0:
-        data = next(p for p in (root / "fsdp-4").iterdir() if p.suffix == ".distcp")
+        data = next(p for p in (root / "fsdp-4").iterdir() if p.name == "rank1.safetensors")
         data.write_bytes(data.read_bytes()[:40])  # truncated
     dist.barrier()
     try:
@@ -339,12 +338,14 @@ def long_runs(rank: int, world_size: int, folder: str) -> dict[str, Any]:
     files = json.loads((path / "checkpoint.json").read_text())["files"]
     out["files"] = sorted(files)
     if rank == 0:
-        data = path / "__1_0.distcp"
+        data = path / "rank1.safetensors"
         damaged = bytearray(data.read_bytes())
+        index = json.loads((path / "index.json").read_text())["tensors"]
         weights = [  # a model record of rank 1's file: one bit in the middle of it
-            (int(i.offset), int(i.length))
-            for key, i in read_metadata(path).storage_data.items()
-            if i.relative_path == data.name and key.fqn.startswith("model.")
+            (chunk["at"], chunk["bytes"])
+            for fqn, entry in index.items()
+            for chunk in entry["chunks"]
+            if chunk["file"] == data.name and fqn.startswith("model.")
         ]
         offset, length = max(weights, key=lambda span: span[1])
         damaged[offset + length // 2] ^= 0xFF  # same size: only the digest can tell
@@ -379,15 +380,15 @@ def long_runs(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 
     # An async save whose background write fails on rank 1 only: every rank raises at wait();
     # nothing published. (A value that cannot be written is refused before staging now.)
-    from checkpoint_io._write.hashing import HashingWriter
+    from checkpoint_io._write.storage import SafeWriter
 
-    write_data = HashingWriter.write_data
+    write_data = SafeWriter.write_data
 
     def disk_full(self: Any, plan: Any, planner: Any) -> Any:
         raise OSError("disk full (simulated on rank 1)")
 
     if rank == 1:
-        HashingWriter.write_data = disk_full  # type: ignore[method-assign]
+        SafeWriter.write_data = disk_full  # type: ignore[method-assign]
     try:
         pending = async_save_checkpoint(root / "async", model, opt, step=3, overwrite=True)
         try:
@@ -396,7 +397,7 @@ def long_runs(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         except CheckpointError as error:
             out["async_failure"] = str(error)
     finally:
-        HashingWriter.write_data = write_data  # type: ignore[method-assign]
+        SafeWriter.write_data = write_data  # type: ignore[method-assign]
     dist.barrier()
     out["async_old_kept"] = load_checkpoint(root / "async", build("fsdp", seed=6)).step == 2
     out["async_leftovers"] = sorted(p.name for p in root.iterdir() if p.name.startswith("."))

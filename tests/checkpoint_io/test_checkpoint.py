@@ -28,7 +28,6 @@ from checkpoint_io import (
 )
 from checkpoint_models import Small, checkpoint_cli, trained
 from dist_harness import run_ranks, two_rank_backends
-from replica_init import state_fingerprint
 
 
 @pytest.fixture(scope="module", params=two_rank_backends())
@@ -188,8 +187,12 @@ class TestOneProcess:
         info = load_checkpoint(path, fresh, fresh_opt)
         assert info.step == 3 and info.extra == {"a": [1]}
         assert info.fingerprint is None  # format >= 2: no gathered fingerprint at save time
-        assert manifest["format_version"] == 3
-        assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "rng/rank0.pt"]
+        assert manifest["format_version"] == 4
+        assert sorted(manifest["files"]) == [
+            "index.json",
+            "rank0.safetensors",
+            "rng/rank0.safetensors",
+        ]
         for name, entry in manifest["files"].items():
             assert entry["bytes"] == (path / name).stat().st_size and entry["rank"] == 0
             assert entry["xxh3_128"] == xxhash.xxh3_128((path / name).read_bytes()).hexdigest()
@@ -203,67 +206,44 @@ class TestOneProcess:
             "head.bias",
         ]
 
-    def test_tensor_records_carry_no_zip_crc32_and_raw_dcp_reads_them(self, tmp_path: Path) -> None:
-        """A synchronous save has torch.save skip each tensor record's zip CRC32 (never
-        checked by torch's readers; the record digests are) and keep each value's (zipfile
-        checks it); torch's option is as it was after the save, and after one that failed;
-        raw ``dcp.load`` reads the checkpoint back exactly, and a value written without a
-        CRC32 is read (a tensor record that takes the value path: zip64, sparse)."""
-        import io
-        import zipfile
-
+    def test_every_file_opens_in_safetensors_and_torch_s_hf_reader_reads_it(
+        self, tmp_path: Path
+    ) -> None:
+        """Format 4's data and side files are safetensors: safetensors' own ``safe_open``
+        reads every one back to the saved values, and torch's ``HuggingFaceStorageReader``
+        (DCP's sharding offsets in each header) loads the model with no code of ours; a
+        failed write leaves the old checkpoint standing."""
         import torch.distributed.checkpoint as dcp
+        from safetensors import safe_open
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        from checkpoint_io._format.records import zip_crc32
-        from checkpoint_io._format.values import load_value
+        from checkpoint_io._write import storage
 
         model, optimizer = trained()
-        assert torch.serialization.get_crc32_options()
         path = save_checkpoint(tmp_path / "c", model, optimizer, step=1)
-        assert torch.serialization.get_crc32_options()
-        entry = json.loads((path / "checkpoint.json").read_text())["files"]["__0_0.distcp"]
-        data = (path / "__0_0.distcp").read_bytes()
-        tensors = []
-        for offset, length, _ in entry["records"]:
-            with zipfile.ZipFile(io.BytesIO(data[offset : offset + length])) as record:
-                members = record.infolist()
-                tensors.append(any("/data/" in member.filename for member in members))
-                if tensors[-1]:
-                    assert all(member.CRC == 0 for member in members if member.file_size)
-                else:
-                    assert record.testzip() is None  # every CRC32 right
-        assert True in tensors and False in tensors
-        with zip_crc32(False):
-            buffer = io.BytesIO()
-            torch.save({"lr": torch.tensor([0.5])}, buffer)
-        assert torch.equal(load_value(buffer.getvalue(), "a value")["lr"], torch.tensor([0.5]))
+        with safe_open(path / "rank0.safetensors", framework="pt") as opened:
+            for key, value in model.state_dict().items():
+                assert torch.equal(opened.get_tensor(f"model.{key}"), value), key
+            moments = optimizer.state[model.body.weight]["exp_avg"]
+            assert torch.equal(opened.get_tensor("optim.state.body.weight.exp_avg"), moments)
+        with safe_open(path / "rng" / "rank0.safetensors", framework="pt") as opened:
+            assert opened.get_tensor("cpu").dtype == torch.uint8
         fresh = Small()
         state = {"model": fresh.state_dict()}
         with pytest.warns(UserWarning, match="single process"):
-            dcp.load(state, checkpoint_id=path)
-        fresh.load_state_dict(state["model"])
+            dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
         for key, value in model.state_dict().items():
-            assert torch.equal(value, fresh.state_dict()[key]), key
-        import torch.distributed.checkpoint.filesystem as dcp_files
+            assert torch.equal(value, state["model"][key]), key
 
-        seen: list[bool] = []
-
-        def full_disk(*args: Any, **kwargs: Any) -> Any:  # inside DCP's write of a record
-            seen.append(torch.serialization.get_crc32_options())
+        def full_disk(*args: Any, **kwargs: Any) -> Any:  # inside the write of a data file
             raise OSError("disk full (simulated)")
 
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(dcp_files, "_write_item", full_disk)
+            patch.setattr(storage.StreamWriter, "write", full_disk)
             with pytest.raises(CheckpointError, match="disk full"):
                 save_checkpoint(path, model, optimizer, step=2, overwrite=True)
-        assert seen == [False] and torch.serialization.get_crc32_options()
         assert load_checkpoint(path, Small()).step == 1  # the old checkpoint stands
-        torch.serialization.set_crc32_options(False)
-        try:
-            save_checkpoint(path, model, optimizer, step=1, overwrite=True)
-            assert not torch.serialization.get_crc32_options()
-        finally:
-            torch.serialization.set_crc32_options(True)
+        assert [p.name for p in tmp_path.iterdir()] == ["c"]  # no temporary left
 
     def test_refusals(self, tmp_path: Path) -> None:
         model, optimizer = trained()
@@ -349,7 +329,7 @@ class TestOneProcess:
         model, _ = trained()
         path = save_checkpoint(tmp_path / "c", model)
         manifest = json.loads((path / "checkpoint.json").read_text())
-        data = path / "__0_0.distcp"
+        data = path / "rank0.safetensors"
         content = bytearray(data.read_bytes())
         weight = model.state_dict()["body.weight"].numpy().tobytes()
         assert content.count(weight) == 1
@@ -359,18 +339,18 @@ class TestOneProcess:
         before = {k: v.clone() for k, v in target.state_dict().items()}
         with pytest.raises(
             CheckpointError,
-            match=r"verification failed.*__0_0.distcp \(bytes \d+\.\.\d+\) has checksum",
+            match=r"verification failed.*rank0.safetensors \(bytes \d+\.\.\d+\) has checksum",
         ):
             load_checkpoint(path, target)
         assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
         assert latest_checkpoint(tmp_path) is None  # not a step-<N> directory
         data.write_bytes(bytes(content) + b"x")  # DCP's index cannot tell; the table can
-        with pytest.raises(CheckpointError, match="__0_0.distcp is .* bytes, .* were written"):
+        with pytest.raises(CheckpointError, match="rank0.safetensors is .* bytes, .* were written"):
             load_checkpoint(path, target, verify=False)  # sizes are checked even so
         data.write_bytes(bytes(content))
         load_checkpoint(path, target, verify=False)  # in place, no digest
         (path / "checkpoint.json").write_text(json.dumps({**manifest, "format_version": 99}))
-        with pytest.raises(CheckpointError, match="newer than this checkpoint-io reads"):
+        with pytest.raises(CheckpointError, match="format version '99', which this checkpoint-io"):
             load_checkpoint(path, target)
 
     def test_rng_state_comes_back(self, tmp_path: Path) -> None:
@@ -454,7 +434,7 @@ class TestLongRuns:
         for step in (1, 2, 3):
             manager.maybe_save(step, model, optimizer)
         assert manager.latest() == tmp_path / "step-3"
-        data = tmp_path / "step-3" / "__0_0.distcp"
+        data = tmp_path / "step-3" / "rank0.safetensors"
         data.write_bytes(data.read_bytes()[:100])  # truncated, as by a kill mid-copy
         (tmp_path / "step-2" / "checkpoint.json").unlink()  # never published
         (tmp_path / ".step-4.partial-0123abcd").mkdir()  # a save that never finished
@@ -615,21 +595,22 @@ class TestLongRuns:
         )
         assert out.returncode == -signal.SIGTERM and "still running" not in out.stdout
 
-    def test_format_1_still_loads_and_verifies(self, tmp_path: Path) -> None:
-        """A checkpoint of the previous format: a gathered fingerprint, no file table."""
+    def test_an_older_format_is_refused_naming_the_import(self, tmp_path: Path) -> None:
+        """Formats 1-3 hold pickles: the default path never reads them; the error names the
+        import door (which runs their code) instead."""
         model, _ = trained()
         path = save_checkpoint(tmp_path / "c", model)
         manifest = json.loads((path / "checkpoint.json").read_text())
-        shown = checkpoint_cli("inspect", str(path), "--fingerprint")
-        fingerprint = shown.stdout.strip().splitlines()[-1].split()[-1]
-        assert fingerprint == state_fingerprint(sorted(model.state_dict().items()))
-        del manifest["files"]
-        old = {**manifest, "format_version": 1, "fingerprint": fingerprint}
-        (path / "checkpoint.json").write_text(json.dumps(old))
-        assert load_checkpoint(path, Small()).fingerprint == fingerprint
-        (path / "checkpoint.json").write_text(json.dumps({**old, "fingerprint": "0" * 64}))
-        with pytest.raises(CheckpointError, match="verification failed.*fingerprint"):
-            load_checkpoint(path, Small())
+        for version in (1, 2, 3):
+            (path / "checkpoint.json").write_text(
+                json.dumps({**manifest, "format_version": version})
+            )
+            with pytest.raises(
+                CheckpointError,
+                match=f"format version {version}, whose files are pickles.*--trust-pickle",
+            ):
+                load_checkpoint(path, Small())
+        assert latest_checkpoint(tmp_path) is None
 
 
 def testcheckpoint_cli(tmp_path: Path) -> None:
@@ -653,15 +634,18 @@ def test_each_rank_hashes_its_own_files_and_a_damaged_shard_is_caught(two_ranks:
     the model is unchanged (the load read into staging)."""
     results, _ = two_ranks
     for rank in results:
-        assert rank["files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"] + [
-            f"rng/rank{r}.pt" for r in range(2)
+        assert rank["files"] == ["index.json", "rank0.safetensors", "rank1.safetensors"] + [
+            f"rng/rank{r}.safetensors" for r in range(2)
         ]
         assert "verification failed" in rank["damaged"], rank["damaged"]
         assert rank["damaged_unchanged"]
-    # rank 1 read the damaged record of __1_0.distcp and found it changed (its own digest);
+    # rank 1 read the damaged record of rank1.safetensors and found it changed (its own digest);
     # rank 0 found it too, or learned it from rank 1
-    assert re.search(r"__1_0\.distcp \(bytes \d+\.\.\d+\) has checksum", results[1]["damaged"])
-    assert "__1_0.distcp (bytes" in results[0]["damaged"] or "rank(s) [1]" in results[0]["damaged"]
+    assert re.search(r"rank1\.safetensors \(bytes \d+\.\.\d+\) has checksum", results[1]["damaged"])
+    assert (
+        "rank1.safetensors (bytes" in results[0]["damaged"]
+        or "rank(s) [1]" in results[0]["damaged"]
+    )
 
 
 @pytest.mark.multiprocess
@@ -799,20 +783,20 @@ def test_a_save_plans_on_the_device_its_group_is_bound_to(
     current device: the save enters the default group's bound device around DCP, so a rank
     whose current device is wrong still learns of a failure instead of hanging in it."""
     from checkpoint_io._write import save
-    from checkpoint_io._write.claim import ClaimingWriter
+    from checkpoint_io._write.storage import SafeWriter
     from fake_accelerator import FakeAccelerator, patch_device_module
 
     fake = FakeAccelerator(4)
     patch_device_module(monkeypatch, lambda kind: fake)
     monkeypatch.setattr(save, "bound_device", lambda: torch.device("cuda", 3))
     seen: list[int] = []
-    plan = ClaimingWriter.prepare_local_plan
+    plan = SafeWriter.prepare_local_plan
 
-    def recording(self: ClaimingWriter, local: Any) -> Any:
+    def recording(self: SafeWriter, local: Any) -> Any:
         seen.append(fake.current)
         return plan(self, local)
 
-    monkeypatch.setattr(ClaimingWriter, "prepare_local_plan", recording)
+    monkeypatch.setattr(SafeWriter, "prepare_local_plan", recording)
     save_checkpoint(tmp_path / "c", nn.Linear(2, 2), rng=False)
     assert seen == [3] and fake.current == 0
 
@@ -832,7 +816,7 @@ def test_the_writer_writes_on_this_ranks_device(
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     from checkpoint_io._write.claim import SaveClaim
-    from checkpoint_io._write.hashing import HashingWriter
+    from checkpoint_io._write.storage import SafeWriter
     from fake_accelerator import FakeAccelerator, patch_device_module
 
     fake = FakeAccelerator(4)
@@ -846,7 +830,7 @@ def test_the_writer_writes_on_this_ranks_device(
 
     def save(device: torch.device | None, folder: Path) -> None:
         claim = SaveClaim(folder, overwrite=True, partial=folder)
-        writer = HashingWriter(claim, list, lambda tables: None, device=device)
+        writer = SafeWriter(claim, lambda root: {}, lambda tables: None, device=device)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.save({"w": torch.ones(3)}, storage_writer=writer, planner=Recording(), no_dist=True)

@@ -267,7 +267,7 @@ def test_hsdp_trains_like_ddp_and_fsdp_and_its_checkpoint_moves(tmp_path: Path) 
     assert loaded == first["hsdp"]["final"]
     # Replicated shards are written once: the HSDP checkpoint is the FSDP one's size.
     sizes = {
-        name: sum(f.stat().st_size for f in (tmp_path / name).glob("*.distcp"))
+        name: sum(f.stat().st_size for f in (tmp_path / name).glob("rank*.safetensors"))
         for name in ("fsdp", "hsdp")
     }
     assert 0 < sizes["hsdp"] <= 1.05 * sizes["fsdp"], sizes

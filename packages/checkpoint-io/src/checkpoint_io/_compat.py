@@ -66,7 +66,9 @@ def default_group_timeout() -> datetime.timedelta | None:
     return timeout if isinstance(timeout, datetime.timedelta) else None
 
 
-def async_save_staged(state: dict[str, Any], writer: Any, group: Any, *, no_dist: bool) -> Any:
+def async_save_staged(
+    state: dict[str, Any], writer: Any, planner: Any, group: Any, *, no_dist: bool
+) -> Any:
     """``dcp.async_save`` of a state already staged in host memory: DCP copies nothing.
 
     Where ``dcp.async_save`` takes a stager (one that hands the state back as it is) and
@@ -75,10 +77,11 @@ def async_save_staged(state: dict[str, Any], writer: Any, group: Any, *, no_dist
     ``no_dist``. Checked by the signature, not the version.
     """
     if not _TAKES_STAGER:  # torch 2.6
-        return dcp_async_save(state, storage_writer=writer, process_group=group)
+        return dcp_async_save(state, storage_writer=writer, planner=planner, process_group=group)
     return dcp_async_save(
         state,
         storage_writer=writer,
+        planner=planner,
         process_group=group,
         async_stager=_AlreadyStaged(),
         no_dist=no_dist,

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
+from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
 import dist_core
@@ -31,19 +32,42 @@ def read_regular(file: Path) -> bytes:
     return dist_core.read_regular(file, error=CheckpointError, holder="a checkpoint")
 
 
-_WEIGHTS_ONLY = "WeightsUnpickler error:"
-"""Where torch's ``weights_only`` refusal gives its reason (after advice to bypass it)."""
+def inside(root: Path, name: str, *, source: str) -> Path:
+    """``root / name``, refused unless it stays inside ``root``.
 
+    No absolute path, no ``..``, no symbolic link that leads out.
 
-def first_line(error: BaseException) -> str:
-    """The first line of ``error``'s message (at most 200 characters), for a one-line error.
-
-    For torch's ``weights_only`` refusal, the first line of its reason ("Unsupported global:
-    GLOBAL mod.Holder was not an allowed global by default"), without torch's advice to
-    allow the global or to load without ``weights_only``.
+    Raises:
+        CheckpointError: Naming the file name and where it was found.
     """
-    message = str(error)
-    if _WEIGHTS_ONLY in message:
-        message = message.split(_WEIGHTS_ONLY, 1)[1].split(". Please use", 1)[0]
-    text = message.strip().splitlines()
-    return text[0][:200] if text else type(error).__name__
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or Path(name).is_absolute() or ".." in pure.parts or not pure.parts:
+        raise CheckpointError(
+            f"{source} names the file {shown(name)}, which is outside the checkpoint "
+            "directory; refused as unsafe (a checkpoint's files are relative paths inside it)"
+        )
+    path = root / name
+    base = os.path.realpath(root)
+    try:
+        real = os.path.realpath(path)
+    except (ValueError, OSError) as error:  # a NUL byte, a loop of links
+        raise CheckpointError(
+            f"{source} names the file {shown(name)}, which cannot be resolved ({error})"
+        ) from None
+    if os.path.commonpath([base, real]) != base:
+        raise CheckpointError(
+            f"{source} names the file {shown(name)}, which leads outside the checkpoint "
+            f"directory (to {shown(real)}, through a symbolic link); refused as unsafe"
+        )
+    return path
+
+
+def escaped(text: object) -> str:
+    """``text`` with every character that is not printable escaped (no ESC, no BEL)."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(text))
+
+
+def shown(text: object, most: int = 120) -> str:
+    """Untrusted text for a message: quoted, escaped (no ESC or BEL reaches a terminal), cut."""
+    value = str(text)
+    return ascii(value if len(value) <= most else value[: most - 3] + "...")

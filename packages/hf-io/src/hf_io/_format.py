@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from safe_store import DTYPES
+from safe_store import CODES
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -20,7 +20,6 @@ CONFIG_FILES = ("config.json", "generation_config.json")
 FILE_METADATA = {"format": "pt"}
 HEADER_ALIGNMENT = 8
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 _UNITS = {
     "": 1,

@@ -8,6 +8,7 @@ from rng_fork._state import (
     DeviceRngState,
     RngState,
     capture_rng_state,
+    check_rng_state,
     restore_rng_state,
     seed_rng,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "DeviceRngState",
     "RngState",
     "capture_rng_state",
+    "check_rng_state",
     "derive_seed",
     "fork_model_rng",
     "fork_rng",

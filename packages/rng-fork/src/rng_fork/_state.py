@@ -146,6 +146,16 @@ def _check_byte_tensor(value: object, part: str, expected_numel: int | None) -> 
         raise _fail(part, f"has {value.numel()} bytes, expected {expected_numel}")
 
 
+def check_rng_state(state: object) -> None:
+    """Check that :func:`restore_rng_state` would restore ``state``, changing nothing.
+
+    Raises:
+        TypeError: If ``state`` is not a state made by :func:`capture_rng_state`.
+        ValueError: If a part of it is malformed (the message names the part).
+    """
+    _check_state(state)
+
+
 def _check_state(state: object) -> None:
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise TypeError(

@@ -31,14 +31,18 @@ import torch
 from dist_core import open_regular
 
 __all__ = [
+    "CODES",
     "DTYPES",
     "MAX_DIMS",
     "MAX_HEADER_BYTES",
     "METADATA_KEY",
     "Entry",
     "Header",
+    "header_of",
     "identity",
+    "parse_header",
     "read_header",
+    "tensor_of",
 ]
 
 METADATA_KEY = "__metadata__"
@@ -65,6 +69,7 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 """The safetensors dtype codes read and written (a code outside it is refused, never guessed)."""
+CODES: dict[torch.dtype, str] = {dtype: code for code, dtype in DTYPES.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +143,30 @@ def read_header(file: Path, *, hub_cache: bool = False) -> Header:
                 f"at most {MAX_HEADER_BYTES})",
             )
         raw = stream.read(length)
+    return parse_header(file, raw, size, identity(status))
+
+
+def header_of(data: bytes | memoryview, file: Path) -> Header:
+    """The checked header of a whole safetensors file held in memory (``data``).
+
+    Raises:
+        ValueError: As :func:`read_header`.
+    """
+    if len(data) < 8:
+        raise _bad(file, f"it has {len(data)} bytes, fewer than a safetensors header's 8")
+    length = int.from_bytes(data[:8], "little")
+    if length > MAX_HEADER_BYTES or length > len(data) - 8:
+        raise _bad(file, f"its header claims {length} bytes (the file has {len(data)})")
+    return parse_header(file, bytes(data[8 : 8 + length]), len(data), ())
+
+
+def parse_header(file: Path, raw: bytes, size: int, ident: tuple[int, ...]) -> Header:
+    """Check the header text ``raw`` of ``file`` (``size`` bytes in all).
+
+    Raises:
+        ValueError: As :func:`read_header`.
+    """
+    length = len(raw)
     table = _parse(file, raw)
     metadata = table.pop(METADATA_KEY, None)
     if metadata is None:
@@ -148,10 +177,18 @@ def read_header(file: Path, *, hub_cache: bool = False) -> Header:
         raise _bad(file, f"its {METADATA_KEY} is not a mapping of strings (a JSON object)")
     for text in (*table, *metadata, *metadata.values()):
         _utf8(file, text)
-    ident = identity(status)
     entries = {name: _entry(file, name, value, ident, 8 + length) for name, value in table.items()}
     _check_tiling(file, entries, size - 8 - length)
     return Header(file=file, entries=entries, metadata=metadata, data_start=8 + length)
+
+
+def tensor_of(data: bytes | memoryview, entry: Entry) -> torch.Tensor:
+    """A copy of ``entry``'s tensor out of its whole file ``data`` (read by :func:`header_of`)."""
+    start = entry.data_start + entry.begin
+    raw = bytearray(data[start : entry.data_start + entry.end])
+    if not raw:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    return torch.frombuffer(raw, dtype=entry.dtype).reshape(entry.shape)
 
 
 def identity(status: os.stat_result) -> tuple[int, ...]:

@@ -1,25 +1,205 @@
-"""DCP's index (``.metadata``) checked as untrusted input before anything is allocated or read.
+"""DCP's index as JSON (``index.json``), checked as untrusted input before anything is read.
 
 The index says how big each tensor is, which chunks make it up and where each chunk's bytes
-lie. Nothing in DCP checks that those agree: chunks emptied out of a tensor loaded "successfully"
-and left the parameter at its old values (``consolidate`` wrote freed memory into its output),
-and one planner-data int of 10**10 asked for an 80 GB allocation from a 40 KB checkpoint. Every
-reader checks here, before the first byte: each tensor's chunks lie inside it, do not overlap
-and cover it exactly; each chunk's record is at least as long as its raw bytes (so no tensor is
-larger than the files that hold it); no record is transformed (compressed); and every data file
-the index names is one the manifest recorded.
+lie (a data file, an offset, a length), and holds every value that is not a tensor (as
+safe-store's tagged JSON). It is decoded field by field, with caps: nothing in it is code. Then
+it is checked against itself: each tensor's chunks lie inside it, do not overlap and cover it
+exactly; each chunk's record is exactly its raw bytes; a key's path is the one its name says
+(DCP joins a path's parts with dots), with no index past :data:`MAX_PATH_INDEX`; every data
+file is one the manifest recorded. Chunks emptied out of a tensor otherwise load
+"successfully" and leave the parameter at its old values, and one path int of 10**10 asked a
+consolidation for an 80 GB allocation.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
-from checkpoint_io._errors import CheckpointError
+from checkpoint_io._errors import CheckpointError, shown
+from safe_store import DTYPES, MAX_DIMS, strict_json
+
+INDEX_FORMAT = "checkpoint_io.index/1"
+MAX_PATH_INDEX = 1 << 24
+"""The largest list position a key's path may hold (a state's list, a parameter group)."""
+_NAMES = {str(dtype).removeprefix("torch."): dtype for dtype in DTYPES.values()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """Where one chunk's bytes lie: a data file, the offset and length of its bytes."""
+
+    file: str
+    offset: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Value:
+    """A value that is not a tensor: its tagged JSON text (safe-store's codec)."""
+
+    text: str
+
+
+def encode_index(metadata: Metadata, where: Mapping[MetadataIndex, Any]) -> bytes:
+    """``index.json``'s bytes: DCP's ``metadata``, with each chunk's record and each value.
+
+    Args:
+        metadata: What DCP's planner made.
+        where: The write results' storage data: a :class:`Record` per chunk, a
+            :class:`Value` per value.
+    """
+    tensors: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            value = where[MetadataIndex(fqn)]
+            values[fqn] = json.loads(value.text)
+            continue
+        chunks = []
+        for chunk in entry.chunks:
+            record = where[MetadataIndex(fqn, chunk.offsets)]
+            chunks.append(
+                {
+                    "offsets": list(chunk.offsets),
+                    "sizes": list(chunk.sizes),
+                    "file": record.file,
+                    "at": record.offset,
+                    "bytes": record.length,
+                }
+            )
+        tensors[fqn] = {
+            "dtype": str(entry.properties.dtype).removeprefix("torch."),
+            "size": list(entry.size),
+            "requires_grad": bool(entry.properties.requires_grad),
+            "chunks": chunks,
+        }
+    paths = {k: list(v) for k, v in (metadata.planner_data or {}).items()}
+    body = {"format": INDEX_FORMAT, "tensors": tensors, "values": values, "paths": paths}
+    return json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+
+
+def decode_index(data: bytes, file: Path) -> Metadata:
+    """DCP's ``Metadata`` from ``index.json``'s bytes, every field checked.
+
+    ``storage_data`` maps each chunk to its :class:`Record` and each value to its
+    :class:`Value`.
+
+    Raises:
+        CheckpointError: Naming the field and the fault.
+    """
+    try:
+        body = strict_json(data, str(file))
+    except ValueError as error:
+        raise CheckpointError(
+            f"{error}; the index is corrupt (refused, nothing was read)"
+        ) from None
+    if not isinstance(body, dict) or body.get("format") != INDEX_FORMAT:
+        raise _malformed(file, "format", body.get("format") if isinstance(body, dict) else body)
+    parts: list[dict[str, Any]] = []
+    for field in ("tensors", "values", "paths"):
+        found = body.get(field)
+        if not isinstance(found, dict):
+            raise _malformed(file, field, found)
+        parts.append(found)
+    tensors, values, paths = parts
+    entries: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    for fqn, entry in tensors.items():
+        entries[fqn] = _tensor(file, fqn, entry, storage)
+    for fqn, value in values.items():
+        if fqn in entries:
+            raise _malformed(file, f"values[{fqn!r}]", "a tensor's name")
+        entries[fqn] = BytesStorageMetadata()
+        storage[MetadataIndex(fqn)] = Value(json.dumps(value, allow_nan=False))
+    planner_data = {fqn: _path(file, fqn, path) for fqn, path in paths.items()}
+    unknown = sorted(set(planner_data) - set(entries))
+    if unknown or sorted(entries) != sorted(planner_data):
+        odd = unknown or sorted(set(entries) - set(planner_data))
+        raise _malformed(file, "paths", f"paths and entries that differ ({odd[:3]})")
+    return Metadata(state_dict_metadata=entries, planner_data=planner_data, storage_data=storage)
+
+
+def _tensor(
+    file: Path, fqn: str, entry: Any, storage: dict[MetadataIndex, Any]
+) -> TensorStorageMetadata:
+    field = f"tensors[{shown(fqn, 80)}]"
+    if not isinstance(entry, dict) or set(entry) != {"dtype", "size", "requires_grad", "chunks"}:
+        raise _malformed(file, field, entry)
+    dtype = _NAMES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    size = entry["size"]
+    if dtype is None:
+        raise _malformed(file, f"{field}['dtype']", entry["dtype"])
+    if not _dims(size):
+        raise _malformed(file, f"{field}['size']", size)
+    if type(entry["requires_grad"]) is not bool or not isinstance(entry["chunks"], list):
+        raise _malformed(file, field, entry)
+    if len(entry["chunks"]) > MAX_CHUNKS:
+        raise _malformed(file, f"{field}['chunks']", f"{len(entry['chunks'])} chunks")
+    chunks = []
+    for chunk in entry["chunks"]:
+        if (
+            not isinstance(chunk, dict)
+            or set(chunk) != {"offsets", "sizes", "file", "at", "bytes"}
+            or not _dims(chunk["offsets"])
+            or not _dims(chunk["sizes"])
+            or not isinstance(chunk["file"], str)
+            or not _natural(chunk["at"])
+            or not _natural(chunk["bytes"])
+        ):
+            raise _malformed(file, f"{field}['chunks']", chunk)
+        offsets = torch.Size(chunk["offsets"])
+        chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(chunk["sizes"])))
+        storage[MetadataIndex(fqn, offsets)] = Record(chunk["file"], chunk["at"], chunk["bytes"])
+    properties = TensorProperties(dtype=dtype, requires_grad=entry["requires_grad"])
+    return TensorStorageMetadata(properties=properties, size=torch.Size(size), chunks=chunks)
+
+
+def _path(file: Path, fqn: str, path: Any) -> tuple[str | int, ...]:
+    if (
+        not isinstance(path, list)
+        or not path
+        or not all(
+            isinstance(p, str) or (type(p) is int and 0 <= p <= MAX_PATH_INDEX) for p in path
+        )
+        or ".".join(map(str, path)) != fqn
+    ):
+        raise _malformed(file, f"paths[{shown(fqn, 80)}]", path)
+    return tuple(path)
+
+
+def _dims(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_DIMS
+        and all(_natural(d) and d < 1 << 62 for d in value)
+    )
+
+
+def _natural(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _malformed(file: Path, field: str, value: Any) -> CheckpointError:
+    return CheckpointError(
+        f"{file}'s {field} is malformed ({shown(value, 80)}); the index is corrupt or crafted "
+        "(refused, nothing was read)"
+    )
+
 
 MAX_CHUNKS = 1 << 16
 """Chunks one tensor may have (a world size of 65536 ranks); more is refused."""
@@ -33,25 +213,22 @@ def check_index(root: Path, metadata: Metadata, manifest: Mapping[str, Any]) -> 
     """Check the index against itself and against the manifest's file table.
 
     Raises:
-        CheckpointError: Naming the first tensor whose chunks do not tile it, a record longer
-            claim than its bytes, a transformed record, or a data file not in the manifest.
+        CheckpointError: Naming the first tensor whose chunks do not tile it, a record of
+            another length than its bytes, or a data file not in the manifest.
     """
     storage = metadata.storage_data or {}
-    recorded = manifest.get("files")
-    for index, info in storage.items():
-        name = getattr(info, "relative_path", None)
-        if isinstance(recorded, Mapping) and recorded and name not in recorded:
+    recorded = manifest["files"]
+    for info in storage.values():
+        if isinstance(info, Record) and info.file not in recorded:
             raise CheckpointError(
-                f"{root}: the index names the data file {name!r}, which the manifest did not "
-                "record (a planted file is never read); refused as unsafe"
+                f"{root}: the index names the data file {shown(info.file)}, which the manifest "
+                "did not record (a planted file is never read); refused as unsafe"
             )
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(
-                f"{root}: the record of {index.fqn!r} is transformed "
-                f"({info.transform_descriptors}); checkpoint-io writes none and reads none "
-                "(a compressed record can inflate without bound); refused as unsafe"
-            )
-    lengths = {(i.fqn, tuple(i.offset or ())): int(info.length) for i, info in storage.items()}
+    lengths = {
+        (i.fqn, tuple(i.offset or ())): info.length
+        for i, info in storage.items()
+        if isinstance(info, Record)
+    }
     for fqn, entry in metadata.state_dict_metadata.items():
         if isinstance(entry, TensorStorageMetadata):
             _check_tiling(root, fqn, entry, lengths)
@@ -83,7 +260,7 @@ def _check_tiling(
             raise _bad(root, fqn, f"a chunk at {offsets} of {sizes} lies outside its size {size}")
         volume = math.prod(sizes)
         length = lengths.get((fqn, offsets))
-        if volume and (length is None or length < volume * item):
+        if length != volume * item:
             raise _bad(
                 root,
                 fqn,
@@ -130,7 +307,8 @@ def _check_disjoint(
 
 def _bad(root: Path, fqn: str, fault: str) -> CheckpointError:
     return CheckpointError(
-        f"{root}: the index is inconsistent for {fqn!r}: {fault}; the checkpoint is corrupt or "
+        f"{root}: the index is inconsistent for {shown(fqn)}: {fault}; the checkpoint is "
+        "corrupt or "
         "crafted (refused, nothing was read)"
     )
 
@@ -146,24 +324,22 @@ def saved_entries(metadata: Metadata, top: str) -> dict[tuple[Any, ...], Any]:
     return found
 
 
-def check_files(root: Any, metadata: Metadata) -> None:
-    """Every data file the metadata points at is there and long enough (no read needed).
+def check_files(root: Path, metadata: Metadata) -> None:
+    """Every data file the index points at is there and long enough (no read needed).
 
     Raises:
         CheckpointError: A data file is missing or shorter than its entries (truncated).
     """
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        path = getattr(info, "relative_path", None)
-        if path is not None:
-            end = int(info.offset) + int(info.length)
-            needed[path] = max(needed.get(path, 0), end)
+        if isinstance(info, Record):
+            needed[info.file] = max(needed.get(info.file, 0), info.offset + info.length)
     for name, end in sorted(needed.items()):
         file = root / name
         size = file.stat().st_size if file.is_file() else -1
         if size < end:
             found = "missing" if size < 0 else f"{size} bytes, its entries need {end}"
             raise CheckpointError(
-                f"the checkpoint is truncated or corrupt: data file {name} is {found}; "
+                f"the checkpoint is truncated or corrupt: data file {shown(name)} is {found}; "
                 "save it again (or restore it from a copy)"
             )

@@ -5,11 +5,10 @@ Every reader (``load_checkpoint``, ``consolidate_checkpoint``, ``inspect --finge
 :class:`CheckpointFiles`. A file is opened once, as a regular file inside the checkpoint (no
 link, no FIFO); its size is the one the manifest recorded, every file read is one the manifest
 recorded, and with ``verify`` its digest is computed from the very bytes that are then decoded
-(no window between a check and a second read). DCP's data files are read in file order, one
-record at a time (:meth:`CheckpointFiles.read_records`): a rank holds one record in memory, not the
-file, and hashes the bytes between the records it needs. Decoding is capped by the index: a
-record is never read past its recorded length, a value is read ``weights_only`` from an
-uncompressed record (:func:`checkpoint_io._format.values.load_value`), records may not overlap.
+(no window between a check and a second read). Data files are safetensors: each one's header
+is read first and checked by safe-store's rules, and every record the index asks for must be
+exactly one of its tensors' bytes. Records are then read in file order, one at a time
+(:meth:`CheckpointFiles.read_records`): a rank holds one record in memory, not the file.
 
 A verified read that finds a changed file raises after the file's last record was decoded:
 the values were read into staging (see :mod:`checkpoint_io._read.load`), so nothing was changed.
@@ -24,11 +23,11 @@ from typing import Any, BinaryIO, NoReturn
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from checkpoint_io._errors import CheckpointError, open_regular
+from checkpoint_io._errors import CheckpointError, escaped, inside, open_regular, shown
 from checkpoint_io._format.digest import RECORDS, Digest, check_sizes, record_digest
-from checkpoint_io._format.index import check_files, check_index
-from checkpoint_io._format.manifest import MANIFEST, METADATA_FILE, read_manifest
-from checkpoint_io._format.metadata import inside, read_metadata
+from checkpoint_io._format.index import check_files, check_index, decode_index
+from checkpoint_io._format.manifest import INDEX_FILE, MANIFEST, read_manifest
+from safe_store import MAX_HEADER_BYTES, parse_header
 
 _WINDOW = 64 << 20  # bytes read at a time between the records a rank needs (hashed, dropped)
 
@@ -47,7 +46,7 @@ class CheckpointFiles:
     """
 
     def __init__(self, root: Path, manifest: Mapping[str, Any], *, verify: bool) -> None:
-        table = manifest.get("files") or {}
+        table = manifest["files"]
         if not isinstance(table, Mapping) or not all(
             isinstance(name, str)
             and isinstance(entry, Mapping)
@@ -80,7 +79,12 @@ class CheckpointFiles:
         return data
 
     def read_records(
-        self, name: str, spans: list[tuple[int, int]], each: Callable[[int, memoryview], None]
+        self,
+        name: str,
+        spans: list[tuple[int, int]],
+        each: Callable[[int, memoryview], None],
+        *,
+        whole_file: bool = False,
     ) -> None:
         """Hand the bytes of each ``(offset, length)`` record of data file ``name`` to ``each``.
 
@@ -95,6 +99,7 @@ class CheckpointFiles:
             name: The data file, relative to the checkpoint.
             spans: The records; identical ones are the caller's to merge.
             each: Called with ``(index into spans, the record's bytes)``.
+            whole_file: Check the whole file's digest (every byte read), not the records'.
 
         Raises:
             CheckpointError: As :meth:`read`; records that overlap or end past the file.
@@ -102,18 +107,18 @@ class CheckpointFiles:
         stream, size, digest = _open(self, name)
         file = self.root / name
         buffer = _Buffer()  # one allocation, reused: a record at a time
-        known = _record_digests(self.table[name]) if digest is not None else None
+        known = _record_digests(self.table[name]) if digest is not None and not whole_file else None
         if known is not None and not all(span in known for span in spans):
             known = None  # a record not in the table: the whole file's digest instead
         if known is not None:
             digest = None
         with stream:
-            position = 0
+            position = _check_header(stream, file, size, spans, digest, buffer, known)
             for index in sorted(range(len(spans)), key=lambda i: spans[i]):
                 offset, length = spans[index]
                 if offset < position or offset + length > size:
                     raise CheckpointError(
-                        f"{file}: the index's record at bytes {offset}..{offset + length} "
+                        f"{escaped(file)}: the index's record at bytes {offset}..{offset + length} "
                         f"overlaps another or ends past the file ({size} bytes); DCP writes "
                         "neither. Refused as damaged or crafted"
                     )
@@ -142,7 +147,66 @@ class CheckpointFiles:
             CheckpointError: As :meth:`read`.
         """
         for name in sorted(self.table):
-            self.read_records(name, [], lambda index, data: None)
+            if name.endswith(".safetensors"):
+                self.read_records(name, [], lambda index, data: None, whole_file=True)
+            else:
+                self.read(name)
+
+
+def _check_header(
+    stream: BinaryIO,
+    file: Path,
+    size: int,
+    spans: list[tuple[int, int]],
+    digest: Digest | None,
+    buffer: _Buffer,
+    known: dict[tuple[int, int], str] | None,
+) -> int:
+    """Read and check a data file's safetensors header; every span one tensor's bytes.
+
+    Returns:
+        The position after the header.
+
+    Raises:
+        CheckpointError: A header safetensors would refuse, or a span that is not exactly
+            one of its tensors' bytes.
+    """
+    prefix = bytes(buffer.take(stream, 8, file))
+    length = int.from_bytes(prefix, "little")
+    if length > MAX_HEADER_BYTES or length > size - 8:
+        raise CheckpointError(
+            f"{escaped(file)} is not a safetensors file: its header claims {length} bytes"
+        )
+    raw = bytes(buffer.take(stream, length, file))
+    if digest is not None:
+        digest.update(prefix)
+        digest.update(raw)
+    if known is not None:
+        span = (0, 8 + length)
+        if span not in known:
+            raise CheckpointError(
+                f"{escaped(file)}: the manifest records no digest of its header; the checkpoint is "
+                "corrupt or crafted"
+            )
+        found = record_digest(prefix + raw)
+        if found != known[span]:
+            raise CheckpointError(
+                f"verification failed: {escaped(file)}'s header has checksum {found}, the "
+                f"checkpoint recorded {known[span]}; the file was changed or damaged after saving. "
+                "Nothing was loaded"
+            )
+    try:
+        header = parse_header(file, raw, size, ())
+    except ValueError as error:
+        raise CheckpointError(f"{error}; the checkpoint is corrupt or crafted") from None
+    tensors = {(e.data_start + e.begin, e.end - e.begin) for e in header.entries.values()}
+    odd = [span for span in spans if span not in tensors]
+    if odd:
+        raise CheckpointError(
+            f"{escaped(file)}: the index's record at bytes {odd[0][0]}..{sum(odd[0])} is not one "
+            "of the file's tensors (by its header); the checkpoint is corrupt or crafted"
+        )
+    return 8 + length
 
 
 def _open(files: CheckpointFiles, name: str) -> tuple[BinaryIO, int, Digest | None]:
@@ -150,26 +214,26 @@ def _open(files: CheckpointFiles, name: str) -> tuple[BinaryIO, int, Digest | No
     source = str(files.root / MANIFEST)
     file = inside(files.root, name, source=source)
     entry = files.table.get(name)
-    if files.table and entry is None:
+    if entry is None:
         raise CheckpointError(
-            f"{files.root}: {name!r} is read but the manifest did not record it (a planted "
-            "file is never read); refused as unsafe"
+            f"{files.root}: {shown(name)} is read but the manifest did not record it (a "
+            "planted file is never read); refused as unsafe"
         )
     try:
         stream = open_regular(file)
     except OSError as error:
         raise CheckpointError(
-            f"the checkpoint is truncated or corrupt: {name} is missing or unreadable "
+            f"the checkpoint is truncated or corrupt: {escaped(name)} is missing or unreadable "
             f"({error}); save it again (or restore it from a copy)"
         ) from None
     size = os.fstat(stream.fileno()).st_size
     if entry is not None and size != entry["bytes"]:
         stream.close()
         raise CheckpointError(
-            f"the checkpoint is truncated or corrupt: {name} is {size} bytes, "
+            f"the checkpoint is truncated or corrupt: {escaped(name)} is {size} bytes, "
             f"{entry['bytes']} were written; save it again (or restore it from a copy)"
         )
-    digest = Digest(entry) if entry is not None and files.verify else None
+    digest = Digest(entry) if files.verify else None
     return stream, size, digest
 
 
@@ -236,8 +300,9 @@ def _check_record(
     found = record_digest(data)
     if found != known[span]:
         raise CheckpointError(
-            f"verification failed for {str(root)!r}: {name} (bytes {span[0]}..{sum(span)}) has "
-            f"checksum {found}, the checkpoint recorded {known[span]}; the file was changed or "
+            f"verification failed for {str(root)!r}: {escaped(name)} (bytes "
+            f"{span[0]}..{sum(span)}) has checksum {found}, the checkpoint recorded "
+            f"{known[span]}; the file was changed or "
             "damaged after saving. Nothing was loaded"
         )
 
@@ -246,7 +311,7 @@ def _check(root: Path, name: str, digest: Digest) -> None:
     found = digest.found()
     if found != digest.expected:
         raise CheckpointError(
-            f"verification failed for {str(root)!r}: {name} has checksum {found}, the "
+            f"verification failed for {str(root)!r}: {escaped(name)} has checksum {found}, the "
             f"checkpoint recorded {digest.expected}; the file was changed or damaged after "
             "saving. Nothing was loaded"
         )
@@ -261,8 +326,8 @@ def _read_exactly(stream: BinaryIO, length: int, file: Path) -> bytes:
 
 def _short(file: Path, got: int, length: int) -> NoReturn:
     raise CheckpointError(
-        f"the checkpoint is truncated or corrupt: {file} ended after {got} of the {length} "
-        "bytes expected (it changed while it was read); read it again"
+        f"the checkpoint is truncated or corrupt: {escaped(file)} ended after {got} of the "
+        f"{length} bytes expected (it changed while it was read); read it again"
     )
 
 
@@ -270,8 +335,8 @@ def read_checked(root: Path, *, verify: bool) -> tuple[dict[str, Any], Metadata,
     """The manifest, DCP's index and the files of ``root``, checked before any data is read.
 
     The manifest and the index are read once each (the index verified from its bytes); the
-    index is checked against itself and the manifest (:func:`check_index`); every data file is
-    present and long enough.
+    index is checked against itself and the manifest (:func:`check_index`); every recorded
+    file is present at its size.
 
     Raises:
         FileNotFoundError: If ``root`` does not exist.
@@ -280,10 +345,8 @@ def read_checked(root: Path, *, verify: bool) -> tuple[dict[str, Any], Metadata,
     """
     manifest = read_manifest(root)
     files = CheckpointFiles(root, manifest, verify=verify)
-    recorded = METADATA_FILE in files.table
-    metadata = read_metadata(root, files.read(METADATA_FILE) if recorded else None)
-    check_files(root, metadata)
+    metadata = decode_index(files.read(INDEX_FILE), root / INDEX_FILE)
     check_index(root, metadata, manifest)
-    if files.table:
-        check_sizes(root, files.table)
+    check_files(root, metadata)
+    check_sizes(root, files.table)
     return manifest, metadata, files

@@ -12,12 +12,10 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.serialization import default_restore_location
 
 from checkpoint_io._collective import agree, single_process_quiet
 from checkpoint_io._compat import CheckpointException
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.index import saved_entries
 from checkpoint_io._format.manifest import (
     MODEL,
     OPTIM,
@@ -27,14 +25,13 @@ from checkpoint_io._format.manifest import (
     info_from,
 )
 from checkpoint_io._read.files import read_checked
-from checkpoint_io._read.planner import SafeLoadPlanner, unsafe_cause
+from checkpoint_io._read.planner import SafeLoadPlanner, refusal
 from checkpoint_io._read.rng import rng_restore
 from checkpoint_io._read.stateful import StatefulLoad
 from checkpoint_io._read.stateful import plan_load as plan_stateful
-from checkpoint_io._read.storage import VerifyingReader
+from checkpoint_io._read.storage import SafeReader
 from checkpoint_io._state.model import (
     check_model_keys,
-    fingerprint,
     model_device,
     model_state,
     require_model_device,
@@ -67,10 +64,13 @@ def load_checkpoint(
     Works under any strategy and world size (DCP reshards), or in one process without a
     process group. All or nothing: the state is read into staging (fresh tensors on the
     model's devices, one extra copy of this rank's share until the end), every check runs
-    (the manifest, keys, shapes, dtypes, sizes, the index, each value's safety and, with
-    ``verify``, every file's checksum from the bytes read), and only then are the model, the
-    optimizer, the stateful objects and the RNG changed. On any error, I/O failures in the
-    middle of the read included, they are unchanged on every rank, and every rank raises.
+    (the manifest, keys, shapes, dtypes, sizes, the index, every header, the RNG state and,
+    with ``verify``, every file's checksum from the bytes read), and only then are the
+    stateful objects, the model, the optimizer and the RNG changed, in that order (a stateful
+    object whose ``load_state_dict`` raises is the one step that can still fail: the objects
+    loaded before it are put back and nothing else has changed). On any error, I/O failures
+    in the middle of the read included, they are unchanged on every rank, and every rank
+    raises. Nothing in the checkpoint is code: no file is unpickled.
 
     Args:
         path: The checkpoint directory.
@@ -87,9 +87,8 @@ def load_checkpoint(
         verify: Check what each rank reads against the digests recorded when it was
             written, computed from the very bytes it decodes: each record's digest (a rank
             reads only the records it needs, as DCP does) and each whole small file's (the
-            index, RNG and stateful files). Checkpoints written before record digests were
-            recorded are checked file by file (a rank reads the rest of a file it needs part
-            of, to hash it). ``verify=False`` skips the digests; every other check runs.
+            index, RNG and stateful files). ``verify=False`` skips the digests; every other
+            check runs.
 
     Returns:
         What the checkpoint says about itself.
@@ -125,34 +124,24 @@ def load_checkpoint(
 
     try:  # into staging: each file read once, checked from the bytes decoded
         with single_process_quiet():
-            # format 1's fingerprint is a collective of its own: checked after the read
-            after_read = None if plan["fingerprint"] else check_staged
-            reader = VerifyingReader(plan["files"], plan["metadata"], after_read)
+            reader = SafeReader(plan["files"], plan["metadata"], check_staged)
             dcp_load(staged, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointException as error:
-        unsafe = unsafe_cause(error)
-        if unsafe is not None:
-            raise unsafe from None
+        refused = refusal(error)
+        if refused is not None:
+            raise refused from None
         raise CheckpointError(
             f"reading {str(root)!r} failed: the checkpoint is truncated or corrupt "
             f"({_last_line(error)}); nothing was loaded"
         ) from None
-    if plan["fingerprint"]:
-        failure = None
-        try:
-            check_staged()
-        except Exception as error:
-            failure = error
-        agree(failure, f"verifying {str(root)!r}")
-    # Everything read and checked on every rank: now change the model, optimizer, RNG.
+    # Everything read and checked on every rank: now change the state. The stateful objects
+    # first: their load_state_dict is user code, the one step that may still raise (it then
+    # puts back the objects it loaded), and nothing else has changed yet.
+    if plan["stateful"] is not None:
+        plan["stateful"].apply(stateful or {}, staged.get(STATEFUL, {}))
     set_model_state_dict(model, staged[MODEL], options=StateDictOptions(strict=strict))
     if optimizer is not None:
         load_optimizer(model, optimizer, staged[OPTIM])
-    if plan["stateful"] is not None:
-        plan["stateful"].apply(stateful or {}, staged.get(STATEFUL, {}))
-    else:
-        for name, obj in (stateful or {}).items():
-            obj.load_state_dict(staged[STATEFUL][name])
     if plan["rng"] is not None:
         plan["rng"]()
     info: CheckpointInfo = plan["info"]
@@ -208,24 +197,14 @@ def _prepare(
                 f"stateful object(s) {missing} were not saved in {str(root)!r} (it holds "
                 f"{sorted(saved)}); pass the names it was saved with"
             )
-        if manifest.get("stateful_state") is not None:  # format 3: per rank, as saved
-            stateful_plan = plan_stateful(
-                files,
-                manifest,
-                stateful,
-                rank=rank(),
-                world_size=world_size(),
-                map_location=_onto(model_device(model)),
-            )
-            if stateful_plan.targets:
-                target[STATEFUL] = stateful_plan.targets
-        else:  # formats 1 and 2: under one key, into the fresh state's structure
-            target[STATEFUL] = {name: template(obj.state_dict()) for name, obj in stateful.items()}
-    complete = len(keys) == len(current) == len(saved_entries(metadata, MODEL))
+        stateful_plan = plan_stateful(
+            files, manifest, stateful, rank=rank(), world_size=world_size()
+        )
+        if stateful_plan.targets:
+            target[STATEFUL] = stateful_plan.targets
     return {
         "manifest": manifest,
         "target": target,
-        "fingerprint": verify and not files.table and complete,  # format 1: the gathered one
         "rng": rng_restore(files, manifest, model_device(model)) if rng else None,
         "stateful": stateful_plan,
         "metadata": metadata,
@@ -237,21 +216,12 @@ def _prepare(
 def _check_staged(
     root: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, Any]
 ) -> None:
-    """The checks that need the values read: the optimizer's groups, format 1's fingerprint.
+    """The checks that need the values read: the optimizer's groups.
 
     Raises:
-        CheckpointError: Other parameter groups; a fingerprint that differs.
+        CheckpointError: Other parameter groups.
     """
     staged = plan["target"]
-    if plan["fingerprint"]:  # collective: first, on every rank alike
-        found = fingerprint(staged[MODEL])
-        recorded = plan["manifest"]["fingerprint"]
-        if found != recorded:
-            raise CheckpointError(
-                f"verification failed for {str(root)!r}: the loaded model state has fingerprint "
-                f"{found[:16]}, the checkpoint recorded {str(recorded)[:16]}; the files were "
-                "changed or damaged after saving. Nothing was loaded"
-            )
     if optimizer is not None:
         groups = saved_param_groups(staged[OPTIM]["param_groups"])
         check_optimizer_groups(model, optimizer, groups)
@@ -264,20 +234,6 @@ def _checked_info(manifest: dict[str, Any], root: Path) -> CheckpointInfo:
         raise CheckpointError(
             f"{root}'s manifest is malformed ({type(error).__name__}: {error}); nothing was loaded"
         ) from None
-
-
-def _onto(device: torch.device) -> Any:
-    """``torch.load``'s ``map_location``: host tensors stay, device tensors go to ``device``.
-
-    For a state saved on another rank's GPU, or from a GPU into a CPU process.
-    """
-
-    def remap(storage: Any, location: str) -> Any:
-        if location == "cpu":
-            return storage
-        return default_restore_location(storage, str(device))  # type: ignore[no-untyped-call]
-
-    return remap
 
 
 def _last_line(error: BaseException) -> str:

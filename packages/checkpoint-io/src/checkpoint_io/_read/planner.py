@@ -1,4 +1,4 @@
-"""DCP's load planners, every non-tensor value read through :mod:`._format.values`."""
+"""DCP's load planners, every value that is not a tensor decoded from tagged JSON."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
 from checkpoint_io._compat import EmptyStateDictLoadPlanner, set_element
-from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.values import load_value
+from checkpoint_io._errors import CheckpointError, shown
+from safe_store import loads
 
 
-class _SafeBytes:
-    """A load planner's ``load_bytes`` reading every non-tensor value ``weights_only``."""
+class _JsonBytes:
+    """A load planner's ``load_bytes`` decoding safe-store's JSON (no code, no tensors)."""
 
     flatten_state_dict: bool
     original_state_dict: Any
@@ -22,24 +22,28 @@ class _SafeBytes:
     state_dict: Any
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        """Read one non-tensor value; refuse anything but tensors, containers and primitives."""
-        loaded = load_value(value, f"the checkpoint's value {read_item.dest_index.fqn!r}")
+        """Decode one value; refuse what is not the codec's JSON."""
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = loads(value.getvalue(), what=f"the checkpoint's value {shown(fqn)}")
+        except ValueError as error:
+            raise CheckpointError(f"{error}; the index is corrupt or crafted") from None
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
+            self.state_dict[fqn] = loaded
 
 
-class SafeLoadPlanner(_SafeBytes, DefaultLoadPlanner):
-    """DCP's load planner, every non-tensor value read ``weights_only``."""
+class SafeLoadPlanner(_JsonBytes, DefaultLoadPlanner):
+    """DCP's load planner, every value decoded from JSON."""
 
 
-class SafeWholePlanner(_SafeBytes, EmptyStateDictLoadPlanner):
-    """DCP's planner that rebuilds the whole state from the index, values ``weights_only``."""
+class SafeWholePlanner(_JsonBytes, EmptyStateDictLoadPlanner):
+    """DCP's planner that rebuilds the whole state from the index, values from JSON."""
 
 
-def unsafe_cause(error: BaseException) -> CheckpointError | None:
-    """The refusal inside a DCP failure (DCP wraps what a rank raised), or ``None``."""
+def refusal(error: BaseException) -> CheckpointError | None:
+    """The :class:`CheckpointError` inside a DCP failure (DCP wraps what a rank raised)."""
     if isinstance(error, CheckpointError):
         return error
     failures = getattr(error, "failures", None)
@@ -49,4 +53,4 @@ def unsafe_cause(error: BaseException) -> CheckpointError | None:
             if isinstance(found, CheckpointError):
                 return found
     cause = error.__cause__ or error.__context__
-    return unsafe_cause(cause) if cause is not None else None
+    return refusal(cause) if cause is not None else None

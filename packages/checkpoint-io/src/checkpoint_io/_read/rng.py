@@ -10,13 +10,11 @@ from typing import Any
 import torch
 
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.digest import file_entry
-from checkpoint_io._format.manifest import RNG_DIR
-from checkpoint_io._format.metadata import inside
-from checkpoint_io._format.values import load_value
+from checkpoint_io._format.manifest import rng_file
 from checkpoint_io._read.files import CheckpointFiles
 from dist_core import log_rank0, rank, world_size
-from rng_fork import RngState, derive_seed, restore_rng_state, seed_rng
+from rng_fork import RngState, check_rng_state, derive_seed, restore_rng_state, seed_rng
+from safe_store import header_of, loads, tensor_of
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +24,10 @@ def rng_restore(
 ) -> Callable[[], None] | None:
     """What sets this rank's RNG after the load (read and checked now, applied last).
 
-    At the world size that saved: rank r's saved state. At another: streams derived from
-    the checkpoint (:func:`derived_rng_seed`), the same however the process was seeded.
+    At the world size that saved: rank r's saved state, read and checked whole now (a
+    state that would not restore is refused before anything changes). At another: streams
+    derived from the checkpoint (:func:`derived_rng_seed`), the same however the process was
+    seeded.
     """
     if not manifest.get("rng"):
         return None
@@ -55,20 +55,12 @@ def derived_rng_seed(root: Path, manifest: Mapping[str, Any], new_rank: int) -> 
 
     ``derive_seed(step, "checkpoint_io.rng", digests, new_rank)`` (rng-fork's derivation):
     ``step`` is the checkpoint's (0 when none), ``digests`` the digests of every saved rank's
-    RNG file in rank order (the manifest's; format 1: xxh3-128 of the files), so the streams
-    depend on the checkpoint and the rank alone. The CPU generator and this rank's device
-    generator are seeded with it (rng-fork's ``seed_rng``).
+    RNG file in rank order (the manifest's), so the streams depend on the checkpoint and the
+    rank alone. The CPU generator and this rank's device generator are seeded with it
+    (rng-fork's ``seed_rng``).
     """
-    files = manifest.get("files") or {}
-    parts = []
-    for saved_rank in range(int(manifest["world_size"])):
-        name = f"{RNG_DIR}/rank{saved_rank}.pt"
-        entry = files.get(name)
-        if entry is not None:
-            parts.append(str(entry.get("xxh3_128") or entry.get("wsum64")))
-        else:
-            file = inside(root, name, source=str(root / "checkpoint.json"))
-            parts.append(file_entry(file)["xxh3_128"])
+    files = manifest["files"]
+    parts = [str(files[rng_file(saved)].get("xxh3_128")) for saved in range(manifest["world_size"])]
     step = manifest.get("step")
     return derive_seed(
         step if isinstance(step, int) and step >= 0 else 0,
@@ -78,15 +70,41 @@ def derived_rng_seed(root: Path, manifest: Mapping[str, Any], new_rank: int) -> 
     )
 
 
-def _saved_rng_state(files: CheckpointFiles) -> RngState:
-    name = f"{RNG_DIR}/rank{rank()}.pt"
+def read_rng_state(files: CheckpointFiles, saved_rank: int) -> RngState:
+    """Rank ``saved_rank``'s RNG state from its file (tensors, and JSON for the rest).
+
+    Raises:
+        CheckpointError: A file that is not an RNG state, or a state rng-fork would not
+            restore (a 3-byte CPU state), before anything changes.
+    """
+    name = rng_file(saved_rank)
     file = files.root / name
-    state: RngState = load_value(files.read(name), f"the RNG state {file}", "cpu")
-    if not isinstance(state, dict) or not isinstance(state.get("cpu"), torch.Tensor):
+    data = files.read(name)
+    try:
+        header = header_of(data, file)
+        described = loads(header.metadata.get("rng", "null"), what=str(file))
+        if not isinstance(described, dict) or set(header.entries) - {"cpu", "device"}:
+            raise ValueError(f"{file} is not an RNG state")
+        device = described.get("device")
+        tensors = {key: tensor_of(data, entry) for key, entry in header.entries.items()}
+        state: Any = {
+            "format": described.get("format"),
+            "cpu": tensors.get("cpu"),
+            "device": None if device is None else {**device, "state": tensors.get("device")},
+            "python": described.get("python"),
+            "numpy": described.get("numpy"),
+        }
+        check_rng_state({**state, "device": None})  # the device's own: once it is placed
+    except (ValueError, TypeError) as error:
         raise CheckpointError(
-            f"{file} holds a {type(state).__name__}, not an RNG state; the checkpoint is "
-            "corrupt. Nothing was loaded"
-        )
+            f"{file}: {error}; the checkpoint is corrupt. Nothing was loaded"
+        ) from None
+    return state  # type: ignore[no-any-return]
+
+
+def _saved_rng_state(files: CheckpointFiles) -> RngState:
+    file = files.root / rng_file(rank())
+    state = read_rng_state(files, rank())
     device = state.get("device")
     if device is not None:
         current = _current_index(device["type"])
@@ -109,6 +127,10 @@ def _saved_rng_state(files: CheckpointFiles) -> RngState:
                 current,
             )
             state = {**state, "device": {**device, "index": current}}
+    try:
+        check_rng_state(state)
+    except (ValueError, TypeError) as error:
+        raise CheckpointError(f"{file}: {error}; nothing was loaded") from None
     return state
 
 

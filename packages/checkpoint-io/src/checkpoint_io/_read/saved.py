@@ -15,8 +15,8 @@ from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.index import saved_entries
 from checkpoint_io._format.manifest import MODEL
 from checkpoint_io._read.files import CheckpointFiles, read_checked
-from checkpoint_io._read.planner import SafeLoadPlanner, unsafe_cause
-from checkpoint_io._read.storage import VerifyingReader
+from checkpoint_io._read.planner import SafeLoadPlanner, refusal
+from checkpoint_io._read.storage import SafeReader
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,12 +50,12 @@ class SavedModel:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
                 _compat.load_in_process(
-                    state, VerifyingReader(self._files, self._metadata), SafeLoadPlanner()
+                    state, SafeReader(self._files, self._metadata), SafeLoadPlanner()
                 )
         except CheckpointError:
             raise
         except (Exception, _compat.CheckpointException) as error:
-            raise unsafe_cause(error) or CheckpointError(
+            raise refusal(error) or CheckpointError(
                 f"reading {name!r} from {str(self.path)!r} failed ({error})"
             ) from None
         return state[MODEL][name]

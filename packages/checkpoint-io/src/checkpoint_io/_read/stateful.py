@@ -5,18 +5,20 @@ See :mod:`checkpoint_io._state.stateful` for what is saved where.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import io
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.values import load_value
+from checkpoint_io._errors import CheckpointError, shown
+from checkpoint_io._format.manifest import stateful_file
 from checkpoint_io._read.files import CheckpointFiles
-from checkpoint_io._state.stateful import class_name, file_name, join_sharded, split_sharded
+from checkpoint_io._state.stateful import class_name, join_sharded, split_sharded
+from safe_store import header_of, loads, tensor_of
 
 
 @dataclasses.dataclass
@@ -32,9 +34,20 @@ class StatefulLoad:
     targets: dict[str, dict[str, torch.Tensor]]
 
     def apply(self, stateful: Mapping[str, Any], loaded: Mapping[str, Any]) -> None:
-        """Give every object its state as saved (``loaded``: what DCP filled in)."""
-        for name, obj in stateful.items():
-            obj.load_state_dict(join_sharded(self.local[name], loaded.get(name, {})))
+        """Give every object its state as saved (``loaded``: what DCP filled in).
+
+        All or nothing: if an object's ``load_state_dict`` raises, the objects already given
+        their state get back the state they had, and the error is raised.
+        """
+        before: list[tuple[Any, Any]] = []
+        try:
+            for name, obj in stateful.items():
+                before.append((obj, copy.deepcopy(obj.state_dict())))
+                obj.load_state_dict(join_sharded(self.local[name], loaded.get(name, {})))
+        except BaseException:
+            for obj, state in reversed(before):  # the failing one too: it may be half-loaded
+                obj.load_state_dict(state)
+            raise
 
 
 def plan_load(
@@ -44,7 +57,6 @@ def plan_load(
     *,
     rank: int,
     world_size: int,
-    map_location: Callable[[Any, str], Any] | None = None,
 ) -> StatefulLoad:
     """Check and read every object's saved state for this rank (format 3).
 
@@ -82,14 +94,12 @@ def plan_load(
     local: dict[str, Any] = {}
     for source in sorted(set(file_of.values())):
         names = [name for name, where in file_of.items() if where == source]
-        file = files.root / file_name(source)
-        data = files.read(file_name(source))
-        everything = load_value(
-            io.BytesIO(data), f"the stateful state of rank {source} ({file})", map_location
-        )
+        everything = read_states(files, source)
         for name in names:
             if name not in everything:
-                raise CheckpointError(f"{file} lacks the state of stateful[{name!r}]")
+                raise CheckpointError(
+                    f"{files.root / stateful_file(source)} lacks the state of stateful[{name!r}]"
+                )
             local[name] = everything[name]
     targets: dict[str, dict[str, torch.Tensor]] = {}
     for name, obj in stateful.items():
@@ -107,3 +117,34 @@ def plan_load(
             )
         targets[name] = {key: torch.empty_like(fresh[key]) for key in keys}
     return StatefulLoad(local, targets)
+
+
+def read_states(files: CheckpointFiles, source: int) -> dict[str, Any]:
+    """Every object's state in rank ``source``'s stateful file (checked, no code run).
+
+    Raises:
+        CheckpointError: A file that is not safetensors, or whose JSON is malformed.
+    """
+    name = stateful_file(source)
+    file = files.root / name
+    data = files.read(name)
+    try:
+        header = header_of(data, Path(file))
+        text = header.metadata.get("state")
+        if text is None:
+            raise ValueError(f"{file} holds no state")
+        pairs = loads(text, what=str(file), tensors=lambda key: _tensor(header, data, key))
+        if not isinstance(pairs, list) or not all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) for p in pairs
+        ):
+            raise ValueError(f"{file}: its state is not a list of [name, state] pairs")
+    except ValueError as error:
+        raise CheckpointError(f"{error}; the checkpoint is corrupt. Nothing was loaded") from None
+    return dict(pairs)
+
+
+def _tensor(header: Any, data: bytes, key: str) -> torch.Tensor:
+    entry = header.entries.get(key)
+    if entry is None:
+        raise ValueError(f"{header.file}: the state refers to a tensor {shown(key)} it lacks")
+    return tensor_of(data, entry)

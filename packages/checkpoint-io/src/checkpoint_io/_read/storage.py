@@ -1,9 +1,10 @@
-"""DCP's storage reader over the one read path: records decoded within their bounds, into staging.
+"""DCP's storage reader of format 4: the only code of a load that knows bytes.
 
-Each data file is read once, in file order, through :class:`CheckpointFiles`; each tensor
-record is decoded as a view of the bytes read (:func:`tensor_record`, no copy) or, when
-unusual, by :func:`load_value`; each is narrowed to the slice asked for and copied into the
-planner's target (a load's staging).
+Each data file is read once, in file order, through :class:`CheckpointFiles` (its safetensors
+header checked, each record one of its tensors' bytes, verified before it is decoded); a
+record is viewed as its tensor without a copy (``torch.frombuffer`` over the bytes read),
+narrowed to the slice asked for and copied into the planner's target (a load's staging). A
+value that is not a tensor comes from the index, as JSON, to the planner's ``load_bytes``.
 """
 
 from __future__ import annotations
@@ -13,23 +14,18 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.records import tensor_record
-from checkpoint_io._format.values import load_value
+from checkpoint_io._errors import CheckpointError, shown
+from checkpoint_io._format.index import Record, Value
 from checkpoint_io._read.files import CheckpointFiles
 
 
-class VerifyingReader(FileSystemReader):
-    """DCP's storage reader, reading through :class:`CheckpointFiles`.
-
-    Each data file is read once in file order; each record is decoded ``weights_only`` within
-    its recorded length; each tensor is narrowed to the slice asked for and copied into the
-    planner's target (staging, for a load).
+class SafeReader(StorageReader):
+    """DCP's storage reader over a checkpoint's checked files and index.
 
     Args:
         files: The checkpoint's files.
@@ -44,32 +40,54 @@ class VerifyingReader(FileSystemReader):
         metadata: Metadata,
         after_read: Callable[[], None] | None = None,
     ) -> None:
-        super().__init__(str(files.root))
+        super().__init__()
         self.files = files
         self._metadata = metadata
         self._after_read = after_read
 
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """Nothing kept between loads."""
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        """Any path: the files were opened already."""
+        return True
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The index already read and checked (no second read)."""
-        meta = self._metadata.storage_meta
-        if meta is None:
-            meta = self._metadata.storage_meta = StorageMeta()
-        meta.load_id = self.load_id
         return self._metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        """Nothing to set up: the index was checked when it was read."""
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """DCP's plan as it is."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """DCP's plans as they are."""
+        return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan``: each file once, each record once."""
+        storage = self._metadata.storage_data
         per_file: dict[str, dict[tuple[int, int], list[ReadItem]]] = {}
         for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            span = (int(info.offset), int(info.length))
-            per_file.setdefault(str(info.relative_path), {}).setdefault(span, []).append(item)
+            info = storage[item.storage_index]
+            if isinstance(info, Value):
+                planner.load_bytes(item, io.BytesIO(info.text.encode()))
+                continue
+            assert isinstance(info, Record)  # decode_index makes nothing else
+            span = (info.offset, info.length)
+            per_file.setdefault(info.file, {}).setdefault(span, []).append(item)
         for name, records in sorted(per_file.items()):
             spans = list(records)
 
             def each(index: int, data: memoryview, name: str = name, spans: Any = spans) -> None:
                 for item in per_file[name][spans[index]]:
-                    _deliver(item, data, planner, f"{name} at byte {spans[index][0]}")
+                    self._deliver(item, data, planner, f"{name} at byte {spans[index][0]}")
 
             self.files.read_records(name, spans, each)
         if self._after_read is not None:
@@ -78,30 +96,26 @@ class VerifyingReader(FileSystemReader):
         done.set_result(None)
         return done
 
-
-def _deliver(item: ReadItem, data: memoryview, planner: LoadPlanner, where: str) -> None:
-    """Decode one record for ``item`` and hand it to the planner (copied out of ``data``)."""
-    what = f"the checkpoint's value {item.dest_index.fqn!r} ({where})"
-    if item.type == LoadItemType.BYTE_IO:
-        planner.load_bytes(item, io.BytesIO(data))
-        return
-    tensor = tensor_record(data, what)  # a view of the record: no copy
-    if tensor is None:  # anything unusual: read (or refused) like any value
-        tensor = load_value(bytes(data), what, "cpu")
-    if not isinstance(tensor, torch.Tensor):
-        raise CheckpointError(f"{what} is not a tensor record; the checkpoint is corrupt")
-    try:
+    def _deliver(self, item: ReadItem, data: memoryview, planner: LoadPlanner, where: str) -> None:
+        """View one record as its chunk, narrow it, copy it into the planner's target."""
+        entry = self._metadata.state_dict_metadata[item.storage_index.fqn]
+        what = f"the checkpoint's tensor {shown(item.dest_index.fqn)} ({where})"
+        if item.type != LoadItemType.TENSOR or not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"{what} is not a tensor in the index; the checkpoint is corrupt")
+        sizes = next(c.sizes for c in entry.chunks if c.offsets == item.storage_index.offset)
+        dtype = entry.properties.dtype
+        tensor = (
+            torch.frombuffer(data, dtype=dtype).view(sizes)
+            if len(data)
+            else torch.empty(sizes, dtype=dtype)
+        )  # a view of the record: no copy
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
             tensor = tensor.narrow(dim, start, length)
-    except (RuntimeError, IndexError, ValueError) as error:
-        raise CheckpointError(
-            f"{what} is smaller than its index entry ({error}); the checkpoint is corrupt"
-        ) from None
-    target = planner.resolve_tensor(item).detach()
-    if target.size() != tensor.size():
-        raise CheckpointError(
-            f"{what} has shape {tuple(tensor.shape)} where the index gives "
-            f"{tuple(target.shape)}; the checkpoint is corrupt"
-        )
-    target.copy_(tensor)
-    planner.commit_tensor(item, target)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise CheckpointError(
+                f"{what} has shape {tuple(tensor.shape)} where the load needs "
+                f"{tuple(target.shape)}; the checkpoint is corrupt"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)

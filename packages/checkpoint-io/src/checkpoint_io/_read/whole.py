@@ -14,8 +14,8 @@ from checkpoint_io import _compat
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.manifest import MODEL, OPTIM
 from checkpoint_io._read.files import read_checked
-from checkpoint_io._read.planner import SafeWholePlanner, unsafe_cause
-from checkpoint_io._read.storage import VerifyingReader
+from checkpoint_io._read.planner import SafeWholePlanner, refusal
+from checkpoint_io._read.storage import SafeReader
 from checkpoint_io._state.model import local_fingerprint
 
 
@@ -44,11 +44,11 @@ def _read_whole(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            _compat.load_in_process(whole, VerifyingReader(files, metadata), SafeWholePlanner())  # type: ignore[no-untyped-call]
+            _compat.load_in_process(whole, SafeReader(files, metadata), SafeWholePlanner())  # type: ignore[no-untyped-call]
     except CheckpointError:
         raise
     except (Exception, _compat.CheckpointException) as error:  # the latter: a BaseException
-        unsafe = unsafe_cause(error)
+        unsafe = refusal(error)
         if unsafe is not None:
             raise unsafe from None
         raise CheckpointError(f"reading {str(root)!r} failed ({error})") from None

@@ -15,9 +15,10 @@ from torch.distributed.tensor import DTensor
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.index import saved_entries
 from checkpoint_io._format.manifest import OPTIM
-from checkpoint_io._format.values import check_values
 from checkpoint_io._state.model import parameter_names
+from checkpoint_io._write.claim import Whole
 from dist_core import local_tensor, unwrap_model
+from safe_store import dumps
 from strategy_config import did_you_mean
 
 _FIX = "keep the optimizer's hyperparameters and state to these, or save the rest apart"
@@ -41,23 +42,40 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
         }
         for group in saved["param_groups"]
     ]
-    # What a load would refuse is refused before anything is written: the hyperparameters
-    # (the groups are one opaque entry in DCP) and the state's values.
+    # What the JSON cannot carry is refused before anything is written: the hyperparameters
+    # (the groups are one entry in DCP) and the state's values that are not tensors.
     kind = type(optimizer).__name__
     nested = [
-        (name, value)
+        (name, key, value)
         for name, values in state.items()
-        for value in values.values()
+        for key, value in values.items()
         if type(value) not in _FLAT
     ]
-    _check_keys(nested, kind)
-    check_values([v for _, v in nested], f"the optimizer's state ({kind})", _FIX, records=True)
-    hyper = [{k: v for k, v in group.items() if k != "params"} for group in groups]
-    check_values(hyper, f"the optimizer's param_groups ({kind})", _FIX, records=False)
-    buffer = io.BytesIO()
-    torch.save(groups, buffer)
-    buffer.seek(0)
-    return {"state": state, "param_groups": buffer}
+    _check_keys([(name, value) for name, _, value in nested], kind)
+    for name, key, value in nested:
+        _check_value(value, f"the optimizer's state ({kind}) for {name!r}[{key!r}]")
+    dumps(groups, what=f"the optimizer's param_groups ({kind})")
+    return {"state": state, "param_groups": Whole(groups)}
+
+
+def _check_value(value: Any, what: str) -> None:
+    """Check ``value`` as DCP writes it: dicts and lists walked, anything else one JSON value.
+
+    Tensors in dicts and lists are written as tensors; a tensor inside a tuple has no place.
+
+    Raises:
+        TypeError: Naming where the value sits.
+    """
+    if isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            _check_value(item, f"{what}[{key!r}]")
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_value(item, f"{what}[{index}]")
+    else:
+        dumps(value, what=what + f" ({_FIX})")
 
 
 _FLAT = frozenset({torch.Tensor, nn.Parameter, DTensor, int, float, bool, type(None)})
@@ -125,14 +143,11 @@ def load_optimizer(
 
 
 def saved_param_groups(value: Any) -> list[dict[str, Any]]:
-    """The saved ``param_groups`` from their value (a buffer of ``torch.save`` bytes).
+    """The saved ``param_groups`` (decoded from the index's JSON), checked.
 
     Raises:
         CheckpointError: If the value is not a list of groups with ``params`` lists.
     """
-    if isinstance(value, io.BytesIO):
-        value.seek(0)
-        value = torch.load(value, weights_only=True, map_location="cpu")
     if not isinstance(value, list) or not all(
         isinstance(g, dict) and isinstance(g.get("params"), list) for g in value
     ):

@@ -8,9 +8,11 @@ shorter list, a data loader before its first batch) failed to load.
 
 Here each object's state is split: its ``DTensor`` leaves (an EMA model under FSDP) go
 through DCP, sharded and resharded as the model's; everything else (plain tensors included)
-is this rank's own value, saved ``torch.save``-style in ``stateful/rank<r>.pt`` (one file per
-rank, written only by ranks whose state differs from rank 0's) and read back ``weights_only``
-as saved, into whatever the fresh object holds. The manifest records each object's class and
+is this rank's own value, saved in ``stateful/rank<r>.safetensors`` (one file per rank,
+written only by ranks whose state differs from rank 0's): its tensors as the file's tensors,
+the rest as safe-store's tagged JSON in the header's ``__metadata__``, read back as saved,
+into whatever the fresh object holds. A value the JSON cannot carry is a ``TypeError`` at
+save, naming the object, before anything is written. The manifest records each object's class and
 a digest of every rank's state, so a load at another world size knows whether the state was
 the same on every rank (it then loads everywhere) or not (refused, naming the object).
 """
@@ -20,19 +22,13 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
-import io
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from checkpoint_io._format.values import safe_bytes
-
-_FIX = "convert other objects in state_dict(), or leave it out of stateful="
-
-STATEFUL_DIR = "stateful"
-
+from safe_store import dumps
 
 _MARK = "__checkpoint_io_sharded__"  # a DTensor leaf's place in the per-rank state
 
@@ -43,7 +39,8 @@ class StatefulParts:
 
     Attributes:
         sharded: Per object, its ``DTensor`` leaves by their key (what DCP writes).
-        blob: This rank's per-rank states (``{name: state with markers}``), serialized.
+        text: This rank's per-rank states (``{name: state with markers}``) as tagged JSON.
+        tensors: The host copies of the tensors ``text`` refers to (``t0``, ``t1``, ...).
         digests: Per object, the digest of this rank's per-rank state.
         classes: Per object, its class.
         everyone: Every rank's ``digests``, by rank, once the ranks settled (on rank 0; a
@@ -51,7 +48,8 @@ class StatefulParts:
     """
 
     sharded: dict[str, dict[str, DTensor]]
-    blob: bytes
+    text: str
+    tensors: list[torch.Tensor]
     digests: dict[str, str]
     classes: dict[str, str]
     everyone: list[dict[str, str]] = dataclasses.field(default_factory=list)
@@ -72,36 +70,44 @@ class StatefulParts:
         }
 
 
-def file_name(rank: int) -> str:
-    """The per-rank state file of ``rank``, relative to the checkpoint."""
-    return f"{STATEFUL_DIR}/rank{rank}.pt"
-
-
 def collect(stateful: Mapping[str, Any]) -> StatefulParts:
     """Split every object's state into DCP's part and this rank's own part.
 
     Raises:
-        TypeError: If a value could not be read back safely (``weights_only``), naming the
-            object; before anything is written.
+        TypeError: If a value is one the JSON codec cannot carry (a class instance, a
+            bytearray), naming the object and where it sits; before anything is written.
     """
     sharded: dict[str, dict[str, DTensor]] = {}
-    local: dict[str, Any] = {}
+    texts: dict[str, str] = {}
+    tensors: list[torch.Tensor] = []
     digests: dict[str, str] = {}
     classes: dict[str, str] = {}
     for name, obj in stateful.items():
         found: dict[str, DTensor] = {}
-        local[name] = split_sharded(obj.state_dict(), (), found)
+        local = split_sharded(obj.state_dict(), (), found)
         if found:
             sharded[name] = found
-        # Checked and hashed from one serialization of a host copy: equal states on
-        # different GPUs give one digest.
+        own: list[torch.Tensor] = []
+
+        def keep(
+            tensor: torch.Tensor, own: list[torch.Tensor] = own, base: int = len(tensors)
+        ) -> str:
+            own.append(tensor.detach().to("cpu", copy=True).contiguous())
+            return f"t{base + len(own) - 1}"
+
         what = f"stateful[{name!r}] ({type(obj).__name__})"
-        data = safe_bytes(_on_host(local[name]), what, _FIX)
-        digests[name] = hashlib.sha256(data).hexdigest()[:32]
+        texts[name] = dumps(local, what=what, tensors=keep)
+        # Hashed from the JSON and host copies: equal states on different GPUs, one digest.
+        digest = hashlib.sha256(texts[name].encode())
+        for tensor in own:
+            digest.update(str((tensor.dtype, tuple(tensor.shape))).encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        digests[name] = digest.hexdigest()[:32]
         classes[name] = class_name(obj)
-    buffer = io.BytesIO()
-    torch.save(local, buffer)
-    return StatefulParts(sharded, buffer.getvalue(), digests, classes)
+        tensors += own
+    # [[name, state], ...]: a list, so that no name is read as one of the codec's tags
+    text = "[" + ",".join(f"[{dumps(n, what=n)},{t}]" for n, t in texts.items()) + "]"
+    return StatefulParts(sharded, text, tensors, digests, classes)
 
 
 def split_sharded(value: Any, path: tuple[str, ...], found: dict[str, DTensor]) -> Any:
@@ -148,16 +154,6 @@ def join_sharded(value: Any, sharded: Mapping[str, torch.Tensor]) -> Any:
 
 def _is_namedtuple(value: Any) -> bool:
     return isinstance(value, tuple) and hasattr(value, "_fields")
-
-
-def _on_host(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.cpu()
-    if isinstance(value, dict):
-        return {k: _on_host(v) for k, v in value.items()}
-    if isinstance(value, list | tuple) and not _is_namedtuple(value):
-        return [_on_host(v) for v in value]
-    return value
 
 
 def class_name(obj: Any) -> str:

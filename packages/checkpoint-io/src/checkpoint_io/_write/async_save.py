@@ -22,7 +22,7 @@ from checkpoint_io._compat import CheckpointException, async_save_staged, dcp_fa
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.manifest import PathLike
 from checkpoint_io._state.model import model_device
-from checkpoint_io._write.claim import SaveClaim, claim_now
+from checkpoint_io._write.claim import ClaimPlanner, SaveClaim, claim_now
 from checkpoint_io._write.inflight import PendingCheckpoint, track
 from checkpoint_io._write.publish import begin, publishing_writer
 from checkpoint_io._write.save import collect_state, new_manifest
@@ -112,11 +112,12 @@ def start_async_save(
         rng_state,
         parts,
         device=model_device(model),
-        host_only=True,
     )
     quiet_single_process_notice_in_background()
     with single_process_quiet():
-        upload = async_save_staged(state, writer, group, no_dist=not is_distributed())
+        upload = async_save_staged(
+            state, writer, ClaimPlanner(), group, no_dist=not is_distributed()
+        )
     staged_s = time.perf_counter() - started
 
     def complete() -> Path:

@@ -11,20 +11,20 @@ writes a byte, and each raises once DCP returns.
 from __future__ import annotations
 
 import dataclasses
+import io
 import uuid
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from checkpoint_io._collective import agree, agreed
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.records import zip_crc32
 from checkpoint_io._state.stateful import StatefulParts
 from dist_core import rank
+from safe_store import dumps
 
 WHAT = "collecting the state to save"
 """The work named when a rank fails before anything is written."""
@@ -150,85 +150,52 @@ class ClaimPlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DCP's merge, unless a rank's plan carries a failure."""
-        if failures([_share_of(plan) for plan in all_plans]):
+        if failures([share_of(plan) for plan in all_plans]):
             return all_plans, Metadata(state_dict_metadata={})
         return super().create_global_plan(all_plans)
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
-        """DCP's, with a value's zip CRC32 kept (readers that check it read it).
+        """A tensor as it is; any other value as safe-store's tagged JSON (never a pickle).
 
-        A value is ``torch.save``'d into bytes here; a tensor is serialized later, by the
-        writer, with or without its CRC32 (:func:`~checkpoint_io._format.records.zip_crc32`).
+        A :class:`Whole` is one value, unwrapped here.
+
+        Raises:
+            TypeError: A value the codec cannot carry, named by its key.
         """
         if write_item.type != WriteItemType.BYTE_IO:
             return super().transform_object(write_item, object)
-        with zip_crc32(True):
-            return super().transform_object(write_item, object)
+        value = object.value if isinstance(object, Whole) else object
+        return io.BytesIO(dumps(value, what=f"the value {write_item.index.fqn!r}").encode())
 
 
-def _share_of(plan: SavePlan) -> tuple[Report | None, Any]:
+class Whole:
+    """A value DCP keeps as one entry (it would walk into a list of dicts, key by key).
+
+    Args:
+        value: The value (the optimizer's parameter groups).
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def share_of(plan: SavePlan) -> tuple[Report | None, Any]:
+    """A local plan's share of the claim (none: no failure, no digests)."""
     return getattr(plan.storage_data, "value", (None, None))
 
 
-class ClaimingWriter(FileSystemWriter):
-    """DCP's file writer whose directory is settled in DCP's planning, by ``claim``.
-
-    Each rank's local plan carries its share of the claim (its stateful digests, or its
-    failure as data); the coordinator settles the claim once every plan is in and sends
-    each rank its answer in its final plan, beside DCP's own file prefix. DCP's plan caching
-    (off unless a planner turns it on; checkpoint-io's never does) would hand a later save
-    this save's answer.
-
-    Args:
-        claim: The save's claim.
-        **options: ``FileSystemWriter``'s options.
-    """
-
-    def __init__(self, claim: SaveClaim, **options: Any) -> None:
-        super().__init__(str(claim.target), **options)
-        self.claim = claim
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """This rank's plan, carrying its share of the claim."""
-        return dataclasses.replace(plan, storage_data=_Share(self.claim.local()))
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """On the coordinator: the claim settled; each plan gets DCP's file prefix and it."""
-        settled = self.claim.settle([_share_of(plan) for plan in plans])
-        plans = super().prepare_global_plan(
-            [dataclasses.replace(plan, storage_data=None) for plan in plans]
-        )
-        return [
-            dataclasses.replace(plan, storage_data=_Planned(plan.storage_data, answer))
-            for plan, answer in zip(plans, settled, strict=True)
-        ]
-
-    def settled_plan(self, plan: SavePlan) -> SavePlan | None:
-        """In ``write_data``: the plan as DCP made it, its directory made and entered.
-
-        ``None``: write nothing (a rank failed before writing).
-        """
-        planned: _Planned = plan.storage_data
-        root = self.claim.apply(planned.settled)
-        if root is None:
-            return None
-        self.path = self.fs.init_path(root)
-        self.fs.mkdir(root)  # rank 0 made it; a node-local disk needs it on each node
-        return dataclasses.replace(plan, storage_data=planned.prefix)
-
-
 @dataclasses.dataclass(frozen=True)
-class _Share:
+class Share:
     """A rank's share of the claim, in its local plan."""
 
     value: tuple[Report | None, Any]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Planned:
-    """DCP's own storage data of a final plan (the file prefix), and the claim's answer."""
+class Planned:
+    """A final plan's storage data: this rank's data file, and the claim's answer."""
 
-    prefix: Any
+    file: str
     settled: Settled
 
 

@@ -4,43 +4,29 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import shutil
-import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from checkpoint_io._format.digest import FileTable
+from checkpoint_io._format.digest import FileTable, file_entry
 from checkpoint_io._format.manifest import (
+    INDEX_FILE,
     MANIFEST,
-    METADATA_FILE,
-    RNG_DIR,
+    rng_file,
+    stateful_file,
     write_manifest,
 )
 from checkpoint_io._state.stateful import StatefulParts, check_stateful
-from checkpoint_io._state.stateful import file_name as stateful_file
 from checkpoint_io._write.claim import SaveClaim
-from checkpoint_io._write.hashing import HashingWriter, hash_files
 from checkpoint_io._write.inflight import settle_in_flight
-from dist_core import (
-    fsync_dir,
-    fsync_file,
-    fsync_tree,
-    rank,
-)
+from checkpoint_io._write.storage import SafeWriter, write_tensors_file
+from dist_core import fsync_dir, fsync_file, fsync_tree, rank
 from rng_fork import RngState
-
-logger = logging.getLogger(__name__)
-
-
-# Test hook: a rank with this set to a checkpoint's directory name (``step-6``) kills itself
-# with SIGKILL inside that save, after its files are written and before the checkpoint is
-# published (the restart tests use it).
-TEST_KILL_IN_SAVE = "CHECKPOINT_IO_TEST_KILL_IN_SAVE"
+from safe_store import dumps
 
 
 def publishing_writer(
@@ -49,65 +35,57 @@ def publishing_writer(
     parts: StatefulParts | None,
     *,
     device: torch.device | None,
-    host_only: bool = False,
-    tensor_crc32: bool = True,
-) -> HashingWriter:
+) -> SafeWriter:
     """DCP's writer for ``claim``'s save that publishes it when DCP commits.
 
     The ranks settle the temporary directory in DCP's planning (:class:`SaveClaim`); each
-    writes its RNG and stateful files, then its data files; once DCP has written
-    ``.metadata``, rank 0 adds the file tables to the manifest, flushes everything to the
-    disk and renames the temporary directory to the target. A failure anywhere is raised on
-    every rank (by DCP, or by the claim once DCP returns), and nothing is published.
+    writes its RNG and stateful files, then its data file; once the index is written, rank 0
+    adds the file tables to the manifest, flushes everything to the disk and renames the
+    temporary directory to the target. A failure anywhere is raised on every rank (by DCP, or
+    by the claim once DCP returns), and nothing is published.
     """
-    return HashingWriter(
+    return SafeWriter(
         claim,
-        functools.partial(_side_files, claim, rng_state, parts),
+        functools.partial(_side_files, rng_state, parts),
         functools.partial(_seal, claim),
         device=device,
-        host_only=host_only,
-        tensor_crc32=tensor_crc32,
-        written=functools.partial(_test_kill, claim.target),
     )
 
 
-def _side_files(
-    claim: SaveClaim, rng_state: RngState | None, parts: StatefulParts | None
-) -> list[str]:
-    """Write this rank's RNG and stateful files (not yet flushed); their names."""
-    partial = _settled(claim)
-    names: list[str] = []
+def _side_files(rng_state: RngState | None, parts: StatefulParts | None, root: Path) -> FileTable:
+    """Write and flush this rank's RNG and stateful files; their table entries."""
+    table: FileTable = {}
     if rng_state is not None:
-        names.append(f"{RNG_DIR}/rank{rank()}.pt")
-        _side_file(partial / names[-1], lambda f: torch.save(rng_state, f))
+        name = rng_file(rank())
+        table[name] = write_tensors_file(root / name, *rng_tensors(rng_state))
     if parts is not None and parts.writes_file(rank()):
-        names.append(stateful_file(rank()))
-        _side_file(partial / names[-1], lambda f: f.write_bytes(parts.blob))
-    return names
+        name = stateful_file(rank())
+        tensors = [(f"t{i}", t) for i, t in enumerate(parts.tensors)]
+        table[name] = write_tensors_file(root / name, tensors, {"state": parts.text})
+    return table
 
 
-def _side_file(file: Path, write: Callable[[Path], object]) -> None:
-    file.parent.mkdir(parents=True, exist_ok=True)
-    write(file)
-
-
-def _test_kill(target: Path) -> None:
-    """The restart test's kill mid-save: every file of this rank written, nothing published."""
-    if os.environ.get(TEST_KILL_IN_SAVE) == target.name:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _settled(claim: SaveClaim) -> Path:
-    if claim.partial is None:  # DCP writes only after the plans are settled
-        raise RuntimeError("the save's directory was not settled before writing")
-    return claim.partial
+def rng_tensors(state: RngState) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+    """An RNG state as a safetensors file's tensors (uint8) and ``__metadata__`` (JSON)."""
+    device = state["device"]
+    tensors = [("cpu", state["cpu"])]
+    if device is not None:
+        tensors.append(("device", device["state"]))
+    described = {
+        "format": state["format"],
+        "device": None if device is None else {"type": device["type"], "index": device["index"]},
+        "python": state["python"],
+        "numpy": state["numpy"],
+    }
+    return tensors, {"rng": dumps(described, what="the RNG state")}
 
 
 def _seal(claim: SaveClaim, tables: list[FileTable]) -> None:
     """On rank 0, every rank's files written: the manifest, the fsyncs, then the rename."""
-    partial, target, manifest = _settled(claim), claim.target, claim.manifest
-    table: FileTable = {}
-    tables[0] = {**tables[0], **hash_files(partial, [METADATA_FILE])}
+    partial, target, manifest = claim.partial, claim.target, claim.manifest
+    if partial is None:  # DCP publishes only after the plans are settled
+        raise RuntimeError("the save's directory was not settled before publishing")
+    table: FileTable = {INDEX_FILE: {**file_entry(partial / INDEX_FILE), "rank": 0}}
     for writer_rank, each in enumerate(tables):
         table.update({name: {**entry, "rank": writer_rank} for name, entry in each.items()})
     write_manifest(partial, {**manifest, "files": table})
@@ -163,7 +141,7 @@ def begin(
         if not isinstance(extra, Mapping):
             raise TypeError(f"extra must be a mapping or None, got {type(extra).__name__}")
         try:
-            json.dumps(dict(extra))
+            json.dumps(dict(extra), allow_nan=False)
         except (TypeError, ValueError) as error:
             raise TypeError(
                 f"extra must be JSON-serialisable (it goes into checkpoint.json): {error}; "

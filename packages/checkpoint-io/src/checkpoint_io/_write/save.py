@@ -134,7 +134,7 @@ def _write(
     except Exception as error:
         claim.failure, state = error, {}
     # this rank waits on the write: no zip CRC32 for the tensor records (their digests are)
-    writer = publishing_writer(claim, rng_state, parts, device=device, tensor_crc32=False)
+    writer = publishing_writer(claim, rng_state, parts, device=device)
     try:
         try:
             with single_process_quiet(), on_device(bound_device()):  # NCCL: the group's own

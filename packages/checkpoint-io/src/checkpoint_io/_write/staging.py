@@ -125,7 +125,8 @@ def pin_exact(buffer: torch.Tensor) -> None:
 
 
 def _cuda_register(address: int, size: int) -> None:
-    code = int(torch.cuda.cudart().cudaHostRegister(address, size, 0))
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    code = int(cudart.cudaHostRegister(address, size, 0))
     if code != 0:
         raise RuntimeError(
             f"checkpoint-io could not pin a {size}-byte staging buffer (cudaHostRegister "
@@ -134,7 +135,7 @@ def _cuda_register(address: int, size: int) -> None:
 
 
 def _cuda_unregister(address: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(address)
+    torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
 
 
 _REGISTER: Callable[[int, int], None] = _cuda_register
