@@ -162,17 +162,13 @@ def test_two_ranks_to_one_process(two_ranks: Any, tmp_path: Path) -> None:
     info = load_checkpoint(path, model)
     assert (info.world_size, info.strategy, info.step) == (2, "ddp", 2)
     assert list(model.state_dict()) == list(workers.Net().state_dict())  # plain keys
-    out = consolidate_checkpoint(path, tmp_path / "one.pt")
-    obj = torch.load(out, weights_only=True)
-    assert obj["step"] == 2 and obj["extra"] == {"lr": pytest.approx(0.0405)}
+    out = consolidate_checkpoint(path, tmp_path / "hf")  # Hugging Face's layout, via hf-io
+    from safetensors.torch import load_file
+
     plain = workers.Net()
-    plain.load_state_dict(obj["model"])
+    plain.load_state_dict(load_file(out / "model.safetensors"))
     for key, value in plain.state_dict().items():
         assert torch.equal(value, model.state_dict()[key]), key
-    assert "empty_cond" not in obj["optimizer"]["state"]  # never had a gradient
-    assert set(obj["optimizer"]["state"]) == {n for n, _ in plain.named_parameters()} - {
-        "empty_cond"
-    }
 
 
 class TestOneProcess:
@@ -623,9 +619,103 @@ def testcheckpoint_cli(tmp_path: Path) -> None:
     bad = checkpoint_cli("inspect", str(tmp_path / "missing"))
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "no checkpoint at" in bad.stderr
-    done = checkpoint_cli("consolidate", str(path), str(tmp_path / "one.pt"))
+    done = checkpoint_cli("consolidate", str(path), str(tmp_path / "hf"), "--max-shard-size", "64")
     assert done.returncode == 0, done.stderr
-    assert torch.load(tmp_path / "one.pt", weights_only=True)["step"] == 5
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert sorted(index["weight_map"]) == sorted(model.state_dict())
+    (tmp_path / "not-a-ckpt").mkdir()
+    refused = checkpoint_cli("consolidate", str(tmp_path / "not-a-ckpt"), str(tmp_path / "x"))
+    assert refused.returncode == 2 and "is not a checkpoint" in refused.stderr
+
+
+def _format_3(root: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> Path:
+    """A checkpoint laid out as format 3 wrote it (DCP's pickles, torch.save side files)."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    from rng_fork import capture_rng_state
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    saved = optimizer.state_dict()
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    groups = [{**g, "params": [order[i] for i in g["params"]]} for g in saved["param_groups"]]
+    buffer = io.BytesIO()
+    torch.save(groups, buffer)
+    buffer.seek(0)
+    state = {
+        "model": model.state_dict(),
+        "optim": {
+            "state": {order[i]: v for i, v in saved["state"].items()},
+            "param_groups": buffer,
+        },
+    }
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, checkpoint_id=root)
+    (root / "rng").mkdir()
+    torch.save(capture_rng_state(), root / "rng" / "rank0.pt")
+    (root / "stateful").mkdir()
+    torch.save({"epoch": {"seen": 7, "t": torch.arange(3)}}, root / "stateful" / "rank0.pt")
+    manifest = {
+        "format": "checkpoint_io", "format_version": 3, "step": 4, "world_size": 1,
+        "strategy": "none", "torch_version": torch.__version__, "model_class": "m.Small",
+        "parameters": 25, "optimizer": True, "stateful": ["epoch"], "rng": True, "tied": [],
+        "stateful_state": {"epoch": {"class": f"{__name__}._Holder", "sharded": [],
+                                     "digests": ["0" * 32]}},
+        "model_keys": list(model.state_dict()), "extra": {"lr": 0.1},
+    }  # fmt: skip
+    (root / "checkpoint.json").write_text(json.dumps(manifest))
+    return root
+
+
+class _Holder:
+    def __init__(self) -> None:
+        self.state: Any = None
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state: Any) -> None:
+        self.state = state
+
+
+def test_the_import_door_runs_only_when_trusted(tmp_path: Path) -> None:
+    """Formats 1-3 and raw dcp.save hold pickles: load_checkpoint refuses them naming the
+    import; import_checkpoint refuses without trust_pickle=True; with it (or the CLI's
+    --trust-pickle) the checkpoint is written again as format 4 and loads as it was saved:
+    model, optimizer, step, stateful state and RNG."""
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint_io import import_checkpoint
+
+    model, optimizer = trained()
+    old = _format_3(tmp_path / "old", model, optimizer)
+    with pytest.raises(CheckpointError, match="whose files are pickles.*--trust-pickle"):
+        load_checkpoint(old, Small())
+    with pytest.raises(ValueError, match="runs any code it holds; pass trust_pickle=True"):
+        import_checkpoint(old, tmp_path / "new")
+    refused = checkpoint_cli("import", str(old), str(tmp_path / "new"))
+    assert refused.returncode == 2 and "trust_pickle" in refused.stderr
+    assert not (tmp_path / "new").exists()
+    done = checkpoint_cli("import", str(old), str(tmp_path / "new"), "--trust-pickle")
+    assert done.returncode == 0, done.stderr
+    fresh, holder = Small(), _Holder()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    info = load_checkpoint(tmp_path / "new", fresh, fresh_opt, stateful={"epoch": holder})
+    assert info.step == 4 and info.extra == {"lr": 0.1}
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True)
+    )
+    assert fresh_opt.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    assert holder.state["seen"] == 7 and torch.equal(holder.state["t"], torch.arange(3))
+    raw = tmp_path / "raw"
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"model": model.state_dict()}, checkpoint_id=raw)
+    with pytest.raises(CheckpointError, match="a raw dcp.save checkpoint.*--trust-pickle"):
+        load_checkpoint(raw, Small())
+    imported = import_checkpoint(raw, tmp_path / "raw4", trust_pickle=True)
+    load_checkpoint(imported, fresh)
 
 
 @pytest.mark.multiprocess

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from checkpoint_io import consolidate_checkpoint
 from dist_harness import run_ranks
-from hf_io import export_checkpoint
 from hf_io_workers import FACTORIES, round_trip, tokens
 
 pytestmark = pytest.mark.multiprocess
@@ -69,7 +69,7 @@ def test_pretrained_round_trip_with_transformers(originals: Path, strategy: str)
         if name == "gpt2":
             assert trained.lm_head.weight is trained.transformer.wte.weight
 
-        exported = export_checkpoint(
+        exported = consolidate_checkpoint(
             folder / f"ckpt-{strategy}",
             folder / f"export-{strategy}",
             max_shard_size="20KB",

@@ -11,10 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from checkpoint_io import save_checkpoint
 from dist_harness import run_ranks
-from hf_io import load_pretrained, save_pretrained
-from hf_io._cli import main
+from hf_io import export_tensors, load_pretrained, save_pretrained
 from hf_io_workers import TiedNet, torch_wrapped
 
 
@@ -183,7 +181,7 @@ def test_save_refuses_an_existing_directory_and_leaves_nothing_half_written(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging left behind
 
 
-def test_sharded_output_and_export_cli(tmp_path: Path) -> None:
+def test_sharded_output_and_export_tensors(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = TiedNet(vocab=64, width=16)
     live = save_pretrained(model, tmp_path / "live", max_shard_size="2KB")
@@ -192,17 +190,19 @@ def test_sharded_output_and_export_cli(tmp_path: Path) -> None:
         t.numel() * t.element_size() for k, t in model.state_dict().items() if k != "head.weight"
     )
     assert len(set(index["weight_map"].values())) > 1
-    save_checkpoint(tmp_path / "ckpt", model)
-    assert (
-        main(["export", str(tmp_path / "ckpt"), str(tmp_path / "cli"), "--max-shard-size", "2KB"])
-        == 0
+    state = model.state_dict()
+    tensors = {k: (v.dtype, tuple(v.shape)) for k, v in state.items()}
+    offline = export_tensors(
+        tensors,
+        lambda name: state[name],
+        tmp_path / "offline",
+        tied=[["embed.weight", "head.weight"]],
+        max_shard_size="2KB",
     )
     files = sorted(p.name for p in live.iterdir())
-    assert files == sorted(p.name for p in (tmp_path / "cli").iterdir())
-    for name in files:
-        assert (live / name).read_bytes() == (tmp_path / "cli" / name).read_bytes(), name
-    (tmp_path / "not-a-ckpt").mkdir()
-    assert main(["export", str(tmp_path / "not-a-ckpt"), str(tmp_path / "x")]) == 2
+    assert files == sorted(p.name for p in offline.iterdir())
+    for name in files:  # the same bytes, one tensor read at a time
+        assert (live / name).read_bytes() == (offline / name).read_bytes(), name
 
 
 @pytest.mark.multiprocess
@@ -394,13 +394,15 @@ def test_a_hub_cache_snapshot_loads(tmp_path: Path) -> None:
     target = TiedNet()
     load_pretrained(target, snapshot)
     assert _same(_state(target), _state(source))
-    assert main(["export", str(_checkpoint(tmp_path, source)), str(tmp_path / "exp"),
-                 "--config-from", str(snapshot)]) == 0  # fmt: skip
-    assert (tmp_path / "exp" / "config.json").read_text() == '{"model_type": "tied"}'
-
-
-def _checkpoint(tmp_path: Path, model: torch.nn.Module) -> Path:
-    return save_checkpoint(tmp_path / "ckpt", model)
+    state = source.state_dict()
+    exported = export_tensors(
+        {k: (v.dtype, tuple(v.shape)) for k, v in state.items()},
+        state.__getitem__,
+        tmp_path / "exp",
+        tied=[["embed.weight", "head.weight"]],
+        config_from=snapshot,
+    )
+    assert (exported / "config.json").read_text() == '{"model_type": "tied"}'
 
 
 def test_overwrite_replaces_only_what_save_pretrained_writes(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._format.manifest import CheckpointInfo
+from checkpoint_io._importer import import_checkpoint
 from checkpoint_io._manager.manager import CheckpointManager
 from checkpoint_io._manager.steps import latest_checkpoint
 from checkpoint_io._read.load import load_checkpoint
@@ -23,6 +24,7 @@ __all__ = [
     "async_save_checkpoint",
     "consolidate_checkpoint",
     "full_state_dict",
+    "import_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",

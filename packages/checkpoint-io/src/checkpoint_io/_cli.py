@@ -1,4 +1,7 @@
-"""The command line: inspect a checkpoint, or consolidate it into one file."""
+"""The command line: inspect, consolidate (Hugging Face's layout) or import a checkpoint.
+
+``import`` reads a checkpoint of an older format (or raw ``dcp.save``) into format 4.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import NoReturn
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from checkpoint_io._errors import CheckpointError
+from checkpoint_io._errors import CheckpointError, escaped
 from checkpoint_io._read.files import read_checked
 from checkpoint_io._read.whole import consolidate_checkpoint, model_fingerprint
 
@@ -35,35 +38,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also read the whole model (one process) and print its strategy-independent "
         "fingerprint, the value replica_init.state_fingerprint gives for the full state",
     )
-    consolidate = commands.add_parser("consolidate", help="one torch.save file of plain tensors")
-    consolidate.add_argument("path", type=Path)
-    consolidate.add_argument("out", type=Path)
+    consolidate = commands.add_parser(
+        "consolidate", help="the model as model.safetensors (or shards and index), via hf-io"
+    )
+    consolidate.add_argument("path", type=Path, help="the checkpoint directory")
+    consolidate.add_argument("out", type=Path, help="the directory to create")
+    consolidate.add_argument("--max-shard-size", default="5GB", help="largest file (5GB)")
+    consolidate.add_argument("--overwrite", action="store_true", help="write into OUT")
+    consolidate.add_argument(
+        "--config-from", type=Path, help="copy config.json from this directory"
+    )
+    imports = commands.add_parser(
+        "import",
+        help="a checkpoint of format 1-3 or raw dcp.save, into format 4 (runs its pickles)",
+    )
+    imports.add_argument("src", type=Path, help="the checkpoint to import")
+    imports.add_argument("dst", type=Path, help="the format-4 checkpoint to create")
+    imports.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="required: reading SRC unpickles it, which runs any code it holds",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
             _inspect(args.path, fingerprint=args.fingerprint)
-        else:
-            out = consolidate_checkpoint(args.path, args.out)
+        elif args.command == "consolidate":
+            out = consolidate_checkpoint(
+                args.path,
+                args.out,
+                max_shard_size=args.max_shard_size,
+                overwrite=args.overwrite,
+                config_from=args.config_from,
+            )
             sys.stdout.write(f"wrote {out}\n")
-    except (FileNotFoundError, CheckpointError, OSError) as error:
-        sys.stderr.write(f"checkpoint_io: error: {_printable(str(error))}\n")
+        else:
+            from checkpoint_io._importer import import_checkpoint  # the one door to pickles
+
+            out = import_checkpoint(args.src, args.dst, trust_pickle=args.trust_pickle)
+            sys.stdout.write(f"imported {args.src} into {out} (format 4)\n")
+    except (FileNotFoundError, CheckpointError, OSError, ValueError) as error:
+        sys.stderr.write(f"checkpoint_io: error: {escaped(str(error))}\n")
         return USAGE_EXIT
     except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as error:
         # A manifest or index of the wrong shape: one line, not a traceback.
         sys.stderr.write(
-            f"checkpoint_io: error: {_printable(str(args.path))} is malformed "
-            f"({type(error).__name__}: {_printable(str(error))})\n"
+            f"checkpoint_io: error: {escaped(str(args.path))} is malformed "
+            f"({type(error).__name__}: {escaped(str(error))})\n"
         )
         return USAGE_EXIT
     return 0
-
-
-def _printable(text: str) -> str:
-    """``text`` with its control and format characters escaped, as ``repr`` writes them.
-
-    Names read from a checkpoint never reach the terminal as escape sequences.
-    """
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _inspect(path: Path, *, fingerprint: bool) -> None:
@@ -72,7 +96,7 @@ def _inspect(path: Path, *, fingerprint: bool) -> None:
     out.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n\n")
     rows = [
         (
-            _printable(key),
+            escaped(key),
             "x".join(str(d) for d in storage.size) or "scalar",
             str(storage.properties.dtype),
         )

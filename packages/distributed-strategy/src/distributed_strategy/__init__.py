@@ -16,6 +16,7 @@ from checkpoint_io import (
     async_save_checkpoint,
     consolidate_checkpoint,
     full_state_dict,
+    import_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -90,7 +91,7 @@ from fsdp_wrap import (
     wrap_module_fsdp,
 )
 from grad_sync import clip_grad_norm, count_mean, data_parallel_size, global_count, no_sync
-from hf_io import KeyMap, PretrainedInfo, export_checkpoint, load_pretrained, save_pretrained
+from hf_io import KeyMap, PretrainedInfo, export_tensors, load_pretrained, save_pretrained
 from replica_init import (
     BROADCAST_BUCKET_BYTES,
     STREAM_BUCKET_BYTES,
@@ -202,7 +203,7 @@ __all__ = [
     "detect_launch",
     "did_you_mean",
     "expand_nodelist",
-    "export_checkpoint",
+    "export_tensors",
     "fork_model_rng",
     "fork_rng",
     "fsdp_modules",
@@ -212,6 +213,7 @@ __all__ = [
     "full_state_dict",
     "global_count",
     "hsdp_mesh",
+    "import_checkpoint",
     "init_distributed",
     "is_ddp_strategy",
     "is_distributed",

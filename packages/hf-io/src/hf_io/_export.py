@@ -1,39 +1,40 @@
-"""``export_checkpoint``: a checkpoint-io checkpoint out in transformers' layout, offline."""
+"""``export_tensors``: tensors read one at a time, out in transformers' layout, offline."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from checkpoint_io import saved_model
 from dist_core import read_regular
 from hf_io._format import CONFIG_FILES
 from hf_io._names import KeyMap, rename
 from hf_io._save import Part, write_pretrained
 
 
-def export_checkpoint(
-    ckpt_dir: str | os.PathLike[str],
+def export_tensors(
+    tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    read: Callable[[str], torch.Tensor],
     out_dir: str | os.PathLike[str],
     *,
+    tied: Sequence[Sequence[str]] = (),
     key_map: KeyMap | None = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
     config_from: str | os.PathLike[str] | None = None,
 ) -> Path:
-    """Write a checkpoint's model as ``save_pretrained`` would have, one tensor at a time.
+    """Write ``tensors`` as ``save_pretrained`` writes a model's, reading one at a time.
 
-    Offline and in one process, whatever strategy and world size saved the checkpoint: the
-    files are the same bytes ``save_pretrained`` writes from the live model. Ties come from
-    the checkpoint's manifest (each written once, under its first name); host memory holds
-    one tensor at a time.
+    In one process; host memory holds one tensor at a time. The same bytes as
+    ``save_pretrained`` from the live model with the same names, order and ties.
 
     Args:
-        ckpt_dir: A checkpoint-io checkpoint directory.
+        tensors: Name -> ``(dtype, shape)``, in the model's state-dict order.
+        read: The whole tensor of a name (called once per tensor written).
         out_dir: The directory to create.
+        tied: Groups of names that are one tensor: each written once, under its first name.
         key_map: As for :func:`save_pretrained`.
         max_shard_size: As for :func:`save_pretrained`.
         overwrite: As for :func:`save_pretrained`.
@@ -45,16 +46,14 @@ def export_checkpoint(
         ``out_dir`` as a ``pathlib.Path``.
 
     Raises:
-        FileNotFoundError: If ``ckpt_dir`` does not exist.
-        checkpoint_io.CheckpointError: If it is not a readable checkpoint.
         FileExistsError: If ``out_dir`` exists and ``overwrite`` is false.
+        FileNotFoundError: If ``config_from`` holds no config.
     """
-    saved = saved_model(ckpt_dir)
-    later = {name for group in saved.tied for name in group[1:]}
-    first = [name for name in saved.tensors if name not in later]
+    later = {name for group in tied for name in list(group)[1:]}
+    first = [name for name in tensors if name not in later]
     templates = {
         name: torch.empty(shape, dtype=dtype, device="meta")
-        for name, (dtype, shape) in saved.tensors.items()
+        for name, (dtype, shape) in tensors.items()
     }
     sources: dict[int, str] = {}
 
@@ -66,7 +65,7 @@ def export_checkpoint(
         return described
 
     def parts(template: torch.Tensor, index: int) -> Iterator[Part]:
-        yield saved.read(sources[id(template)]), (0,) * template.dim()
+        yield read(sources[id(template)]), (0,) * template.dim()
 
     return write_pretrained(
         out_dir,

@@ -1,22 +1,21 @@
-"""The full model state as plain tensors, and consolidation into one ``torch.save`` file."""
+"""The full model state as plain tensors, and consolidation into Hugging Face's layout."""
 
 from __future__ import annotations
 
-import io
 import os
 import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from checkpoint_io import _compat
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.manifest import MODEL, OPTIM
+from checkpoint_io._format.manifest import MODEL
 from checkpoint_io._read.files import read_checked
 from checkpoint_io._read.planner import SafeWholePlanner, refusal
+from checkpoint_io._read.saved import saved_model
 from checkpoint_io._read.storage import SafeReader
 from checkpoint_io._state.model import local_fingerprint
+from hf_io import KeyMap, export_tensors
 
 
 def model_fingerprint(path: str | os.PathLike[str]) -> str:
@@ -55,45 +54,48 @@ def _read_whole(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return manifest, whole
 
 
-def consolidate_checkpoint(path: str | os.PathLike[str], out_file: str | os.PathLike[str]) -> Path:
-    """Write one ``torch.save`` file of plain tensors from a checkpoint (offline, one process).
+def consolidate_checkpoint(
+    path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    key_map: KeyMap | None = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    config_from: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Write a checkpoint's model in Hugging Face's layout (offline, one process), via hf-io.
 
-    The file holds ``{"model": ..., "optimizer": ..., "step": ..., "extra": ...}`` and loads
-    with ``torch.load(out_file, weights_only=True)``; ``model.load_state_dict(obj["model"])``
-    restores a plain model. ``optimizer`` is keyed by parameter name (``None`` if none was
-    saved). Written to a temporary file and renamed, so a failure leaves no partial file.
+    Whatever strategy and world size saved it: ``model.safetensors`` (or shards and their
+    index), the same bytes ``hf_io.save_pretrained`` writes from the live model (ties once,
+    under their first name, in the model's state-dict order), read one tensor at a time and
+    verified. transformers' ``from_pretrained`` reads the output (with ``config_from``'s
+    ``config.json``).
 
     Args:
         path: The checkpoint directory.
-        out_file: The file to write.
+        out_dir: The directory to create.
+        key_map: The model's names -> the names to write (hf-io's ``KeyMap``).
+        max_shard_size: The largest file (``"5GB"``); above it, shards and an index.
+        overwrite: Write into an existing ``out_dir`` (hf-io's rule: only its own files).
+        config_from: A directory whose ``config.json`` / ``generation_config.json`` are
+            copied (the pretrained model the run started from).
 
     Returns:
-        ``out_file`` as a ``pathlib.Path``.
+        ``out_dir`` as a ``pathlib.Path``.
 
     Raises:
         FileNotFoundError: If ``path`` does not exist.
         CheckpointError: If it is not a readable checkpoint.
+        FileExistsError: If ``out_dir`` exists and ``overwrite`` is false.
     """
-    root = Path(os.fspath(path))
-    manifest, everything = _read_whole(root)
-    optimizer = everything.get(OPTIM)
-    if optimizer is not None:
-        groups = optimizer["param_groups"]
-        if isinstance(groups, io.BytesIO):
-            groups.seek(0)
-            groups = torch.load(groups, weights_only=True, map_location="cpu")
-        optimizer = {"state": optimizer.get("state", {}), "param_groups": groups}
-    result: dict[str, Any] = {
-        "model": everything.get(MODEL, {}),
-        "optimizer": optimizer,
-        "step": manifest.get("step"),
-        "extra": manifest.get("extra") or {},
-    }
-    out = Path(os.fspath(out_file))
-    partial = out.with_name(f".{out.name}.partial")
-    try:
-        torch.save(result, partial)
-        partial.replace(out)
-    finally:
-        partial.unlink(missing_ok=True)
-    return out
+    saved = saved_model(path)
+    return export_tensors(
+        saved.tensors,
+        saved.read,
+        out_dir,
+        tied=saved.tied,
+        key_map=key_map,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        config_from=config_from,
+    )

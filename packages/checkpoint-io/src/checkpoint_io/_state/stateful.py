@@ -78,15 +78,35 @@ def collect(stateful: Mapping[str, Any]) -> StatefulParts:
             bytearray), naming the object and where it sits; before anything is written.
     """
     sharded: dict[str, dict[str, DTensor]] = {}
-    texts: dict[str, str] = {}
-    tensors: list[torch.Tensor] = []
-    digests: dict[str, str] = {}
+    local: dict[str, Any] = {}
     classes: dict[str, str] = {}
     for name, obj in stateful.items():
         found: dict[str, DTensor] = {}
-        local = split_sharded(obj.state_dict(), (), found)
+        local[name] = split_sharded(obj.state_dict(), (), found)
         if found:
             sharded[name] = found
+        classes[name] = class_name(obj)
+    kinds = {name: type(obj).__name__ for name, obj in stateful.items()}
+    text, tensors, digests = encode_states(local, kinds)
+    return StatefulParts(sharded, text, tensors, digests, classes)
+
+
+def encode_states(
+    local: Mapping[str, Any], kinds: Mapping[str, str]
+) -> tuple[str, list[torch.Tensor], dict[str, str]]:
+    """Per-rank states as one JSON text, the host copies of their tensors, and each digest.
+
+    Args:
+        local: Each object's state (markers where its ``DTensor`` leaves were).
+        kinds: Each object's class name, for an error.
+
+    Raises:
+        TypeError: A value the codec cannot carry, naming the object and where it sits.
+    """
+    texts: dict[str, str] = {}
+    tensors: list[torch.Tensor] = []
+    digests: dict[str, str] = {}
+    for name, state in local.items():
         own: list[torch.Tensor] = []
 
         def keep(
@@ -95,19 +115,17 @@ def collect(stateful: Mapping[str, Any]) -> StatefulParts:
             own.append(tensor.detach().to("cpu", copy=True).contiguous())
             return f"t{base + len(own) - 1}"
 
-        what = f"stateful[{name!r}] ({type(obj).__name__})"
-        texts[name] = dumps(local, what=what, tensors=keep)
+        texts[name] = dumps(state, what=f"stateful[{name!r}] ({kinds[name]})", tensors=keep)
         # Hashed from the JSON and host copies: equal states on different GPUs, one digest.
         digest = hashlib.sha256(texts[name].encode())
         for tensor in own:
             digest.update(str((tensor.dtype, tuple(tensor.shape))).encode())
             digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
         digests[name] = digest.hexdigest()[:32]
-        classes[name] = class_name(obj)
         tensors += own
     # [[name, state], ...]: a list, so that no name is read as one of the codec's tags
     text = "[" + ",".join(f"[{dumps(n, what=n)},{t}]" for n, t in texts.items()) + "]"
-    return StatefulParts(sharded, text, tensors, digests, classes)
+    return text, tensors, digests
 
 
 def split_sharded(value: Any, path: tuple[str, ...], found: dict[str, DTensor]) -> Any:

@@ -47,7 +47,7 @@ def publishing_writer(
     return SafeWriter(
         claim,
         functools.partial(_side_files, rng_state, parts),
-        functools.partial(_seal, claim),
+        functools.partial(seal, claim),
         device=device,
     )
 
@@ -80,7 +80,7 @@ def rng_tensors(state: RngState) -> tuple[list[tuple[str, torch.Tensor]], dict[s
     return tensors, {"rng": dumps(described, what="the RNG state")}
 
 
-def _seal(claim: SaveClaim, tables: list[FileTable]) -> None:
+def seal(claim: SaveClaim, tables: list[FileTable]) -> None:
     """On rank 0, every rank's files written: the manifest, the fsyncs, then the rename."""
     partial, target, manifest = claim.partial, claim.target, claim.manifest
     if partial is None:  # DCP publishes only after the plans are settled
