@@ -417,3 +417,28 @@ def long_runs(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         out["sigterm"] = (stop.code, steps_done, manager.latest().name)  # type: ignore[union-attr]
     out["handler_restored"] = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     return out
+
+
+def saves_for_the_audit(rank: int, world_size: int, folder: str) -> None:
+    """A step-1 checkpoint (optimizer, a stateful scheduler, the RNG) of each strategy:
+    DDP and FSDP over every rank, HSDP over 2 x (world / 2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from checkpoint_io import CheckpointManager
+
+    for strategy in ("ddp", "fsdp", "hsdp"):
+        if strategy == "hsdp":
+            torch.manual_seed(0)
+            model = Net().to(rank_device())
+            shape = (2, world_size // 2)
+            mesh = init_device_mesh(rank_device().type, shape, mesh_dim_names=("rep", "shard"))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            model = build(strategy)
+        optimizer, scheduler = optimizer_for(model)
+        train(model, optimizer, scheduler, rank, range(1))
+        manager = CheckpointManager(Path(folder) / strategy, every=1)
+        manager.maybe_save(1, model, optimizer, stateful={"sched": scheduler})
+        manager.close()

@@ -346,7 +346,7 @@ class TestOneProcess:
         data.write_bytes(bytes(content))
         load_checkpoint(path, target, verify=False)  # in place, no digest
         (path / "checkpoint.json").write_text(json.dumps({**manifest, "format_version": 99}))
-        with pytest.raises(CheckpointError, match="format version '99', which this checkpoint-io"):
+        with pytest.raises(CheckpointError, match="format version 99, which this checkpoint-io"):
             load_checkpoint(path, target)
 
     def test_rng_state_comes_back(self, tmp_path: Path) -> None:

@@ -657,7 +657,7 @@ def test_other_param_groups_or_a_manifest_field_missing_change_nothing(tmp_path:
     (path / "checkpoint.json").write_text(json.dumps(manifest))
     whole = torch.optim.AdamW(fresh.parameters())
     with pytest.raises(
-        CheckpointError, match="torch_version is 'None', not a string; the manifest"
+        CheckpointError, match="torch_version is None, not a string; the manifest"
     ):
         load_checkpoint(path, fresh, whole, verify=False)
     assert _same(fresh, before) and not whole.state

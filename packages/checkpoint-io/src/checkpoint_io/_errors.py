@@ -68,6 +68,10 @@ def escaped(text: object) -> str:
 
 
 def shown(text: object, most: int = 120) -> str:
-    """Untrusted text for a message: quoted, escaped (no ESC or BEL reaches a terminal), cut."""
-    value = str(text)
-    return ascii(value if len(value) <= most else value[: most - 3] + "...")
+    """An untrusted value for a message: escaped (no ESC or BEL), cut, a string quoted.
+
+    Anything that is not a string is shown as its ``repr``.
+    """
+    value = text if isinstance(text, str) else repr(text)
+    value = value if len(value) <= most else value[: most - 3] + "..."
+    return ascii(value) if isinstance(text, str) else escaped(value)

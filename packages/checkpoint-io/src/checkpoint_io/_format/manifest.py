@@ -156,6 +156,9 @@ def check_manifest(manifest: Mapping[str, Any], file: Path) -> None:
     step = manifest.get("step")
     if step is not None and (type(step) is not int or step < 0):
         raise bad("step", step, "an int >= 0 or null")
+    sequence = manifest.get("sequence")
+    if type(sequence) is not int or sequence < 0:
+        raise bad("sequence", sequence, "a save's place in its root's order (an int >= 0)")
     for field in ("strategy", "torch_version", "model_class"):
         if not isinstance(manifest.get(field), str):
             raise bad(field, manifest.get(field), "a string")
@@ -202,6 +205,35 @@ def check_manifest(manifest: Mapping[str, Any], file: Path) -> None:
             raise bad(f"{field}['digests']", digests, f"{world} digests, one per saved rank")
         if stateful_file(0) not in files:
             raise bad("files", stateful_file(0), "a table holding rank 0's stateful file")
+
+
+STEP_PREFIX = "step-"
+STEP_DIR = re.compile(rf"{STEP_PREFIX}(0|[1-9][0-9]*)", re.ASCII)
+"""A :class:`CheckpointManager` checkpoint's directory name: only canonical names count
+(ASCII digits, no leading zero: ``step-007`` is not a step, never chosen, counted or
+removed)."""
+
+
+def saved_sequence(path: Path) -> int:
+    """The manifest's ``sequence`` of a checkpoint: its place in its root's saving order.
+
+    Raises:
+        CheckpointError: As :func:`read_manifest`.
+    """
+    return int(read_manifest(path)["sequence"])
+
+
+def next_sequence(root: Path) -> int:
+    """One past the ``sequence`` of every ``step-<N>`` checkpoint under ``root`` (1 if none)."""
+    highest = 0
+    if root.is_dir():
+        for child in root.iterdir():
+            if STEP_DIR.fullmatch(child.name) and (child / MANIFEST).is_file():
+                try:
+                    highest = max(highest, saved_sequence(child))
+                except (OSError, CheckpointError):
+                    continue  # a damaged one holds no place in the order
+    return highest + 1
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:

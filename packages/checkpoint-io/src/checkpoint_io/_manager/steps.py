@@ -9,17 +9,14 @@ import shutil
 from pathlib import Path
 
 from checkpoint_io._errors import CheckpointError
+from checkpoint_io._format.manifest import STEP_DIR, STEP_PREFIX, saved_sequence
 from checkpoint_io._read.files import read_checked
+from checkpoint_io._read.rng import read_rng_state
 
 logger = logging.getLogger(__name__)
 
 
-STEP_PREFIX = "step-"
-
-
-# Only canonical names count: ASCII digits, no leading zero (``step-007`` and ``step-٩٩``
-# are not steps, so they are never chosen, counted or removed).
-_STEP = re.compile(rf"^{STEP_PREFIX}(0|[1-9][0-9]*)$", re.ASCII)
+_STEP = STEP_DIR
 
 
 _PARTIAL = re.compile(rf"^\.{STEP_PREFIX}\d+\.(partial|old)-[0-9a-f]+$")
@@ -54,7 +51,7 @@ def step_checkpoints(root: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for child in root.iterdir():
-        match = _STEP.match(child.name)
+        match = _STEP.fullmatch(child.name)
         if match and child.is_dir():
             found.append((int(match.group(1)), child))
     return sorted(found)
@@ -69,7 +66,9 @@ def incomplete_reason(path: Path) -> str | None:
     (:func:`read_checked`). Nothing is hashed.
     """
     try:
-        read_checked(path, verify=False)
+        manifest, _, files = read_checked(path, verify=False)
+        for saved in range(manifest["world_size"]) if manifest["rng"] else ():
+            read_rng_state(files, saved)  # small: a state that would not restore is refused
     except (OSError, CheckpointError) as error:
         return str(error)
     except (TypeError, AttributeError, KeyError, IndexError, RecursionError) as error:
@@ -80,37 +79,37 @@ def incomplete_reason(path: Path) -> str | None:
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """The complete ``step-<N>`` checkpoints under ``root``, newest first.
+    """The complete ``step-<N>`` checkpoints under ``root``, the most recently saved first.
 
-    Incomplete, damaged and malformed ones are skipped, each with a warning naming why.
+    Saved order is the manifests' ``sequence`` (then the step): after a roll-back (a run
+    resumed from an older step and saved again), the rolled-back run's checkpoints come
+    before the abandoned run's higher steps. Incomplete, damaged and malformed ones are
+    skipped, each with a warning naming why.
     """
     found = []
-    for _, candidate in reversed(step_checkpoints(root)):
+    for step, candidate in step_checkpoints(root):
         reason = incomplete_reason(candidate)
         if reason is None:
-            found.append(candidate)
+            found.append((saved_sequence(candidate), step, candidate))
         else:
             logger.warning("skipping %s, which is not complete: %s", candidate, reason)
-    return found
+    return [path for _, _, path in sorted(found, key=lambda item: item[:2], reverse=True)]
 
 
 def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint of the highest step under ``root``, or ``None``.
+    """The most recently saved complete checkpoint under ``root``, or ``None``.
 
-    Looks at the ``step-<N>`` directories that :class:`CheckpointManager` writes; partial,
-    temporary and damaged ones (a missing manifest, a missing or truncated data file) are
-    skipped with a warning. Reads no tensor data, runs no collective.
+    Looks at the ``step-<N>`` directories that :class:`CheckpointManager` writes: the one of
+    the highest ``sequence`` in their manifests (the highest step, unless a run rolled back to
+    an older step and saved again: then the rolled-back run's). Partial, temporary and damaged
+    ones (a missing manifest, a missing or truncated data file, an RNG state that would not
+    restore) are skipped with a warning. Reads no tensor data, runs no collective.
 
     Raises:
         NotADirectoryError: If ``root`` is a file.
     """
-    path = check_root(root)
-    for _, candidate in reversed(step_checkpoints(path)):
-        reason = incomplete_reason(candidate)
-        if reason is None:
-            return candidate
-        logger.warning("skipping %s, which is not complete: %s", candidate, reason)
-    return None
+    found = complete_checkpoints(check_root(root))
+    return found[0] if found else None
 
 
 def prune(root: Path, keep_last: int, published: int) -> list[Path]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from checkpoint_io._format.manifest import stateful_file
 from checkpoint_io._read.files import CheckpointFiles
 from checkpoint_io._state.stateful import class_name, join_sharded, split_sharded
 from safe_store import header_of, loads, tensor_of
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -46,7 +49,10 @@ class StatefulLoad:
                 obj.load_state_dict(join_sharded(self.local[name], loaded.get(name, {})))
         except BaseException:
             for obj, state in reversed(before):  # the failing one too: it may be half-loaded
-                obj.load_state_dict(state)
+                try:
+                    obj.load_state_dict(state)
+                except Exception:
+                    logger.warning("could not put back the state of %s", type(obj).__name__)
             raise
 
 

@@ -16,6 +16,7 @@ from checkpoint_io._format.digest import FileTable, file_entry
 from checkpoint_io._format.manifest import (
     INDEX_FILE,
     MANIFEST,
+    next_sequence,
     rng_file,
     stateful_file,
     write_manifest,
@@ -88,7 +89,10 @@ def seal(claim: SaveClaim, tables: list[FileTable]) -> None:
     table: FileTable = {INDEX_FILE: {**file_entry(partial / INDEX_FILE), "rank": 0}}
     for writer_rank, each in enumerate(tables):
         table.update({name: {**entry, "rank": writer_rank} for name, entry in each.items()})
-    write_manifest(partial, {**manifest, "files": table})
+    # NOTE: the place in the saving order, from the checkpoints beside it (a manager's root):
+    # after a roll-back, the newest saved is not the highest step.
+    sequence = next_sequence(target.parent)
+    write_manifest(partial, {**manifest, "files": table, "sequence": sequence})
     fsync_file(partial / MANIFEST)
     fsync_tree(partial)  # every file's directory entry, then the rename
     _publish(partial, target)

@@ -1,0 +1,215 @@
+"""checkpoint-io validates first (issue 62, items 17-20): every malformed checkpoint is one
+CheckpointError before anything changes, so latest_checkpoint skips it and resume falls back
+to the next older one; a load is all or nothing, the RNG and user objects included."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+
+from checkpoint_io import CheckpointError, CheckpointManager, latest_checkpoint, load_checkpoint
+from checkpoint_io._cli import main
+from checkpoint_models import Small, trained
+from safe_store import record_digest
+
+
+class Holder:
+    def __init__(self, state: Any = None, fail: bool = False) -> None:
+        self.state, self.fail = state, fail
+
+    def state_dict(self) -> Any:
+        return self.state
+
+    def load_state_dict(self, state: Any) -> None:
+        self.state = state
+        if self.fail:
+            raise RuntimeError("this object's load_state_dict raised")
+
+
+def _rehash(path: Path, name: str) -> None:
+    manifest = json.loads((path / "checkpoint.json").read_text())
+    data = (path / name).read_bytes()
+    entry = manifest["files"][name]
+    entry.update(bytes=len(data), xxh3_128=xxhash.xxh3_128_hexdigest(data))
+    if "records" in entry:
+        head = 8 + struct.unpack("<Q", data[:8])[0]
+        entry["records"] = [[0, head, record_digest(data[:head])]] + [
+            [o, n, record_digest(data[o : o + n])] for o, n, _ in entry["records"][1:]
+        ]
+    (path / "checkpoint.json").write_text(json.dumps(manifest))
+
+
+def _root(tmp_path: Path) -> Path:
+    model, optimizer = trained()
+    manager = CheckpointManager(tmp_path / "root", every=1)
+    for step in (1, 2):
+        manager.maybe_save(step, model, optimizer, stateful={"h": Holder({"k": step})})
+    return tmp_path / "root"
+
+
+def _edit(path: Path, name: str, change: Any) -> None:
+    body = json.loads((path / name).read_text())
+    change(body)
+    (path / name).write_text(json.dumps(body))
+    if name != "checkpoint.json":
+        _rehash(path, name)
+
+
+def _three_byte_rng(path: Path) -> None:
+    from safe_store import StreamWriter
+
+    file = path / "rng" / "rank0.safetensors"
+    with open(file, "rb") as stream:
+        length = struct.unpack("<Q", stream.read(8))[0]
+        metadata = json.loads(stream.read(length))["__metadata__"]
+    file.unlink()
+    writer = StreamWriter(file, [("cpu", torch.uint8, (3,))], metadata)
+    writer.write("cpu", torch.zeros(3, dtype=torch.uint8))
+    writer.close()
+    _rehash(path, "rng/rank0.safetensors")
+
+
+MALFORMED = {
+    "a path that is an int": (
+        lambda p: _edit(p, "index.json", lambda b: b["paths"].update({"model.body.weight": 5})),
+        r"paths\['model.body.weight'\] is malformed \(5\)",
+    ),
+    "a path int of 10**10": (
+        lambda p: _edit(
+            p, "index.json", lambda b: b["paths"].update({"model.body.weight": ["model", 10**10]})
+        ),
+        r"paths\['model.body.weight'\] is malformed",
+    ),
+    "world_size 3 without the RNG files": (
+        lambda p: _edit(p, "checkpoint.json", lambda b: b.update(world_size=3)),
+        "a table holding the RNG file of each of 3 ranks",
+    ),
+    "empty stateful digests": (
+        lambda p: _edit(
+            p, "checkpoint.json", lambda b: b["stateful_state"]["h"].update(digests=[])
+        ),
+        r"stateful_state\['h'\]\['digests'\] is \[\], not 1 digests",
+    ),
+    "a short stateful digest": (
+        lambda p: _edit(
+            p, "checkpoint.json", lambda b: b["stateful_state"]["h"].update(digests=["ab"])
+        ),
+        r"\['digests'\] is \['ab'\]",
+    ),
+    "a 3-byte CPU RNG state": (_three_byte_rng, r"state\['cpu'\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_resume_falls_back_and_latest_skips(
+    tmp_path: Path, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each was a raw TypeError, FileNotFoundError, KeyError, IndexError or ValueError, and
+    latest_checkpoint called the checkpoint complete."""
+    change, message = MALFORMED[case]
+    root = _root(tmp_path)
+    change(root / "step-2")
+    assert latest_checkpoint(root) == root / "step-1"
+    assert any("skipping" in r.message and "step-2" in r.message for r in caplog.records), (
+        caplog.text
+    )
+    model, optimizer = trained()
+    holder = Holder()
+    assert CheckpointManager(root, every=1).resume(model, optimizer, stateful={"h": holder}) == 1
+    assert holder.state == {"k": 1}
+    fresh = Small()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    rng = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(root / "step-2", fresh, stateful={"h": Holder()})
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_path_int_of_10_10_is_refused_by_consolidate_and_inspect(tmp_path: Path) -> None:
+    """One planner-data int of 10**10 ran consolidate and inspect --fingerprint to
+    MemoryError (an 80 GB allocation from a small checkpoint)."""
+    from checkpoint_io import consolidate_checkpoint
+
+    root = _root(tmp_path)
+    MALFORMED["a path int of 10**10"][0](root / "step-2")
+    with pytest.raises(CheckpointError, match="is malformed"):
+        consolidate_checkpoint(root / "step-2", tmp_path / "hf")
+    assert main(["inspect", str(root / "step-2"), "--fingerprint"]) == 2
+
+
+def test_a_stateful_object_that_raises_changes_nothing(tmp_path: Path) -> None:
+    """A stateful object whose load_state_dict raised left the model and optimizer changed:
+    now the objects load first, and those loaded before it are put back."""
+    model, optimizer = trained()
+    path = CheckpointManager(tmp_path / "r", every=1).maybe_save(
+        1, model, optimizer, stateful={"a": Holder({"a": 1}), "b": Holder({"b": 1})}
+    )
+    assert path is not None
+    fresh = Small()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    first, failing = Holder({"a": 0}), Holder({"b": 0}, fail=True)
+    with pytest.raises(RuntimeError, match="load_state_dict raised"):
+        load_checkpoint(path, fresh, fresh_opt, stateful={"a": first, "b": failing})
+    assert first.state == {"a": 0} and failing.state == {"b": 0}
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+    assert not fresh_opt.state
+
+
+def test_a_padded_manifest_is_skipped_unread(tmp_path: Path) -> None:
+    """A checkpoint.json sparse-padded to 1 GiB took 12 s and 2.3 GB to skip."""
+    root = _root(tmp_path)
+    with open(root / "step-2" / "checkpoint.json", "r+b") as stream:
+        stream.truncate(1 << 30)  # sparse: no disk used
+    began = time.perf_counter()
+    assert latest_checkpoint(root) == root / "step-1"
+    assert time.perf_counter() - began < 10  # refused by its size, not read
+
+
+def test_after_a_roll_back_resume_takes_the_rolled_back_run(tmp_path: Path) -> None:
+    """A loss spike: the run went back to step-1 and saved step-2 again... as step-3 under
+    another name here: the abandoned run's step-5 is the highest step, but the rolled-back
+    run saved last, and resume continues it (it picked step-5)."""
+    model, optimizer = trained()
+    manager = CheckpointManager(tmp_path / "root", every=1)
+    for step in (1, 5):
+        manager.maybe_save(step, model, optimizer, stateful={"h": Holder({"k": step})})
+    CheckpointManager(tmp_path / "root", every=1).resume(model, optimizer)  # at step 5
+    load_checkpoint(tmp_path / "root" / "step-1", model, optimizer)  # the roll-back
+    manager.maybe_save(3, model, optimizer, stateful={"h": Holder({"k": 3})})
+    assert latest_checkpoint(tmp_path / "root") == tmp_path / "root" / "step-3"
+    holder = Holder()
+    assert (
+        CheckpointManager(tmp_path / "root", every=1).resume(
+            model, optimizer, stateful={"h": holder}
+        )
+        == 3
+    )
+    assert holder.state == {"k": 3}
+
+
+def test_error_messages_carry_no_terminal_control_bytes(tmp_path: Path) -> None:
+    root = _root(tmp_path)
+    _edit(
+        root / "step-2", "checkpoint.json", lambda b: b.update(strategy=5, world_size="\x1b[2J\x07")
+    )
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(root / "step-2", Small())
+    assert "\x1b" not in str(refused.value) and "\x07" not in str(refused.value)
+    done = subprocess.run(
+        [sys.executable, "-m", "checkpoint_io", "inspect", str(root / "step-2")],
+        capture_output=True, text=True, timeout=120, check=False,
+        env={**os.environ},
+    )  # fmt: skip
+    assert done.returncode == 2 and "\x1b" not in done.stderr
