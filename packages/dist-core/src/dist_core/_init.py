@@ -114,24 +114,25 @@ def _bind_gpu(backend: str, local: int, launch: Launch) -> torch.device:
 def gpu_index(launch: Launch, local: int, count: int) -> int:
     """This rank's GPU among the ``count`` visible ones (the rule, without CUDA).
 
-    ``local`` (its local rank), except under SLURM with one visible GPU
-    (``srun --gpus-per-task=1``), where each task sees its own one GPU: 0, for every local rank
-    (local rank 0 included: its check against the node's task count would refuse it, and
-    without global rank 0 no rank's rendezvous starts).
+    ``local`` (its local rank), except under ``srun --gpus-per-task=1``, where each task sees
+    its own one GPU: 0, for every local rank (local rank 0 included: its check against the
+    node's task count refused it, and without global rank 0 no rank's rendezvous started).
 
     Raises:
         ValueError: More ranks on the node than GPUs, or a local rank with no such GPU.
     """
     tasks = launch.tasks_on_node
-    # NOTE: under SLURM, one visible GPU on a node of several tasks means one GPU per task
-    # (each task's CUDA_VISIBLE_DEVICES names its own); torchrun never restricts visibility.
-    if launch.launcher == "slurm" and count == 1:
+    # NOTE: under SLURM with one GPU per task (--gpus-per-task, SLURM_GPUS_PER_TASK set), each
+    # task's CUDA_VISIBLE_DEVICES names its own GPU: it is cuda:0 for every local rank.
+    # Several tasks seeing one shared GPU (--gres=gpu:1) stay refused below.
+    alone = launch.tasks_on_node in (None, 1)
+    if launch.launcher == "slurm" and count == 1 and (launch.gpu_per_task or alone):
         return 0
     if tasks is not None and tasks > count:
         raise ValueError(
             f"init_distributed: {tasks} ranks run on this node but {count} GPU(s) are visible; "
             f"start at most one rank per GPU ({launch.launcher}: e.g. --ntasks-per-node={count} "
-            f"or --nproc-per-node={count})"
+            f"or --nproc-per-node={count}, or srun --gpus-per-task=1)"
         )
     if local >= count:
         raise ValueError(

@@ -49,6 +49,7 @@ class Launch:
         tasks_on_node: Ranks on this node (``None`` where the launcher does not say).
         master_addr: The rendezvous host.
         master_port: The rendezvous port.
+        gpu_per_task: SLURM gives each task a GPU of its own (``--gpus-per-task``).
     """
 
     launcher: str
@@ -58,6 +59,7 @@ class Launch:
     tasks_on_node: int | None
     master_addr: str
     master_port: int
+    gpu_per_task: bool = False
 
     def export(self) -> None:
         """Set the ``env://`` variables from this launch (for torch's rendezvous and peers)."""
@@ -110,6 +112,8 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> Launch:
             tasks_on_node=_tasks_on_node(env),
             master_addr=env.get("MASTER_ADDR") or expand_nodelist(hosts, limit=1)[0],
             master_port=_port(env) if env.get("MASTER_PORT") else slurm_port(job),
+            gpu_per_task=bool(env.get("SLURM_GPUS_PER_TASK"))
+            or "gpu" in env.get("SLURM_TRES_PER_TASK", ""),
         )
         return _checked(launch, ("SLURM_PROCID", world), ("SLURM_LOCALID", "the node's tasks"))
     missing = [name for name in TORCHRUN_VARS if not env.get(name)]

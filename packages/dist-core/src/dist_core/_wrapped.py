@@ -140,6 +140,10 @@ def compute_device(model: nn.Module) -> torch.device:
     # host memory while the model computes on the mesh's accelerator (a checkpoint that read
     # the shard's device saved, restored and seeded only the CPU generator).
     inner = unwrap_compiled(model)
+    for module in fsdp_modules(inner)[:1]:  # the device fully_shard took (its current device)
+        device = getattr(module._get_fsdp_state(), "_device", None)
+        if isinstance(device, torch.device):
+            return device
     for param in inner.parameters():
         if isinstance(param, DTensor):
             return mesh_device(param.device_mesh)

@@ -142,6 +142,7 @@ def _grad_norm(model: nn.Module) -> float | None:
     for param in model.parameters():
         if param.grad is not None:
             grad = local_tensor(param.grad).detach()
+            grad = torch.view_as_real(grad) if grad.is_complex() else grad  # the same norm
             by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
     if not by_kind:
         return None
@@ -166,7 +167,8 @@ def _max_abs_diff(
     scalar on ``device`` (no host sync).
     """
     flat = tensor.detach().reshape(-1)
-    chunk = max(1, CHUNK_BYTES // max(1, flat.element_size()))
+    # NOTE: a chunk's float64 (or complex128) temporaries, not its raw bytes, bound the memory
+    chunk = max(1, CHUNK_BYTES // 16)
     wide = torch.promote_types(flat.dtype, torch.float64)
     buffer = torch.empty(min(chunk, flat.numel()), dtype=flat.dtype, device=device)
     worst = torch.zeros((), dtype=torch.float64, device=device)
@@ -176,7 +178,8 @@ def _max_abs_diff(
         theirs = buffer[: part.numel()]
         if first:
             theirs.copy_(part)
-        dist.broadcast(theirs, group=group, group_src=0)
+        # as bytes: NCCL has no int16, uint16 or bool, and the bytes are all that is compared
+        dist.broadcast(theirs.view(torch.uint8), group=group, group_src=0)
         if not first:
             difference = (part.to(device).to(wide) - theirs.to(wide)).abs().amax()
             worst = torch.maximum(worst, difference.to(torch.float64))

@@ -27,6 +27,7 @@ type (on a CUDA mesh: a second device copy of the whole state while the next ste
 from __future__ import annotations
 
 import copy
+import logging
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,8 @@ import torch
 import xxhash
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger(__name__)
 
 _Path = tuple[Any, ...]
 
@@ -108,38 +111,57 @@ def pinned(source: torch.Tensor) -> bool:
     return source.device.type == "cuda"
 
 
-def pin_exact(buffer: torch.Tensor) -> None:
+def pin_exact(buffer: torch.Tensor) -> bool:
     """Page-lock exactly ``buffer``'s storage for the life of that storage.
 
-    Raises:
-        RuntimeError: If the driver refuses (its error code named).
+    Returns:
+        Whether it is pinned: where the driver refuses (a low ``ulimit -l``), a warning says
+        so and the buffer stays pageable (the save copies without overlap, and still holds).
     """
     # NOTE: the bytes pinned are the storage's own, never rounded: sum(nbytes) over the
     # buffers, which the test of this module checks through _REGISTER.
     storage = buffer.untyped_storage()
     address, size = storage.data_ptr(), storage.nbytes()
     if size == 0:
-        return
-    _REGISTER(address, size)
-    weakref.finalize(storage, _UNREGISTER, address).atexit = False
+        return True
+    try:
+        _REGISTER(address, size)
+    except RuntimeError as error:
+        logger.warning("%s; staging in pageable memory instead", error)
+        return False
+    weakref.finalize(storage, _UNREGISTER, address, _current_device()).atexit = False
+    return True
+
+
+def _current_device() -> int | None:
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
 def _cuda_register(address: int, size: int) -> None:
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    code = int(cudart.cudaHostRegister(address, size, 0))
+    # 1: cudaHostRegisterPortable, pinned for every device (a state on two GPUs), as torch's
+    # own stager registers it
+    code = int(cudart.cudaHostRegister(address, size, 1))
     if code != 0:
+        clear = getattr(cudart, "cudaGetLastError", None)
+        if clear is not None:  # the error is not left for an unrelated kernel to report
+            clear()
         raise RuntimeError(
             f"checkpoint-io could not pin a {size}-byte staging buffer (cudaHostRegister "
             f"error {code}); the host's page-locked memory limit may be too low (ulimit -l)"
         )
 
 
-def _cuda_unregister(address: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+def _cuda_unregister(address: int, device: int | None) -> None:
+    # in the device the memory was registered from, whatever thread drops the last reference
+    with torch.cuda.device(device):
+        code = int(torch.cuda.cudart().cudaHostUnregister(address))  # type: ignore[no-untyped-call]
+    if code != 0:
+        logger.warning("cudaHostUnregister of a staging buffer failed (error %d)", code)
 
 
 _REGISTER: Callable[[int, int], None] = _cuda_register
-_UNREGISTER: Callable[[int], None] = _cuda_unregister
+_UNREGISTER: Callable[[int, int | None], None] = _cuda_unregister
 
 
 def require_host_only(state: Any, path: str = "state") -> None:
@@ -190,8 +212,8 @@ def _host_copy(
     buffer, made_for = kept.get(path, (None, None))
     if buffer is None or made_for != key:
         buffer = torch.empty_like(source, device="cpu")
-        if pin:
-            pin_exact(buffer)
+        if pin and not pin_exact(buffer):
+            pin = False  # pageable: the copy below blocks, the save still holds
     buffer.copy_(source, non_blocking=pin)  # stage() waits once per device for all of them
     if pin:
         _DEVICES.add(source.device)
