@@ -343,8 +343,27 @@ def _test_kill(rank: int, steps_done: int, where: str) -> None:
         if spec.split(":") == [attempt, str(rank), str(steps_done), where]:
             if where == "step":
                 os.kill(os.getpid(), signal.SIGKILL)
-            # this save only (a background save still finishing must not be the one killed)
-            os.environ["CHECKPOINT_IO_TEST_KILL_IN_SAVE"] = f"step-{steps_done}"
+            _kill_in_save(f"step-{steps_done}")
+
+
+def _kill_in_save(name: str) -> None:
+    """Inject the restart test's fault into checkpoint-io's writer: SIGKILL in a save.
+
+    Once this rank's files of the save of ``name`` are written, before the checkpoint is
+    published (this save only: a background save still finishing must not be the one killed).
+    """
+    from checkpoint_io._storage.writer import SafeWriter
+
+    write_data = SafeWriter.write_data
+
+    def then_die(self: Any, plan: Any, planner: Any) -> Any:
+        done = write_data(self, plan, planner)
+        if self.claim.target.name == name:
+            done.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return done
+
+    SafeWriter.write_data = then_die  # type: ignore[method-assign]
 
 
 def _end(code: int) -> None:

@@ -241,7 +241,7 @@ def everything(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 def replicated_async(rank: int, folder: str) -> dict[str, Any]:
     """A DDP background save: each rank stages its share of the replicated state, and it
     reads back exactly; ranks whose plain tensors differ are refused on every rank."""
-    from checkpoint_io._write import staging
+    from checkpoint_io._background import staging
 
     root = Path(folder) / "replicated"
     model = build("ddp", seed=11)
@@ -380,7 +380,7 @@ def long_runs(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 
     # An async save whose background write fails on rank 1 only: every rank raises at wait();
     # nothing published. (A value that cannot be written is refused before staging now.)
-    from checkpoint_io._write.storage import SafeWriter
+    from checkpoint_io._storage.writer import SafeWriter
 
     write_data = SafeWriter.write_data
 

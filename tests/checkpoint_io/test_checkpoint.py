@@ -213,7 +213,7 @@ class TestOneProcess:
         from safetensors import safe_open
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-        from checkpoint_io._write import storage
+        from checkpoint_io._storage import writer as storage
 
         model, optimizer = trained()
         path = save_checkpoint(tmp_path / "c", model, optimizer, step=1)
@@ -792,7 +792,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from checkpoint_io._write.staging import pinned, require_host_only, stage
+from checkpoint_io._background.staging import pinned, require_host_only, stage
 
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 mesh = DeviceMesh("cuda", [0, 1], _init_backend=False)
@@ -832,7 +832,7 @@ def test_staging_pins_exact_sizes_once_and_unpins_what_it_drops(
     for as long as it is reused, and unregistered when a changed shape drops it."""
     import gc
 
-    from checkpoint_io._write import staging
+    from checkpoint_io._background import staging
 
     registered: dict[int, int] = {}
     monkeypatch.setattr(staging, "pinned", lambda source: True)  # as if on a GPU
@@ -872,8 +872,8 @@ def test_a_save_plans_on_the_device_its_group_is_bound_to(
     """DCP's planning (the save's one agreement) gathers objects, which NCCL stages on the
     current device: the save enters the default group's bound device around DCP, so a rank
     whose current device is wrong still learns of a failure instead of hanging in it."""
-    from checkpoint_io._write import save
-    from checkpoint_io._write.storage import SafeWriter
+    from checkpoint_io import _save as save
+    from checkpoint_io._storage.writer import SafeWriter
     from fake_accelerator import FakeAccelerator, patch_device_module
 
     fake = FakeAccelerator(4)
@@ -905,8 +905,8 @@ def test_the_writer_writes_on_this_ranks_device(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from checkpoint_io._write.claim import SaveClaim
-    from checkpoint_io._write.storage import SafeWriter
+    from checkpoint_io._claim import SaveClaim
+    from checkpoint_io._storage.writer import SafeWriter
     from fake_accelerator import FakeAccelerator, patch_device_module
 
     fake = FakeAccelerator(4)

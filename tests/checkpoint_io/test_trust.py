@@ -113,7 +113,7 @@ def _swap_words(data: bytes, offset: int) -> bytes:
     ids=["flipped-bit", "swapped-words", "truncated-tail"],
 )
 def test_the_digest_detects_damage(tmp_path: Path, damage: Any) -> None:
-    from checkpoint_io._format.digest import file_entry
+    from checkpoint_io._storage.digest import file_entry
 
     model, _ = trained()
     path = save_checkpoint(tmp_path / "c", model)
@@ -132,9 +132,10 @@ def test_the_digest_detects_damage(tmp_path: Path, damage: Any) -> None:
 def test_everything_is_fsynced_before_the_old_checkpoint_goes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import importlib
     import shutil
 
-    from checkpoint_io._write import publish as _publish
+    _publish = importlib.import_module("safe_store.publish")
 
     events: list[str] = []
     fsync, rmtree = os.fsync, shutil.rmtree
@@ -656,9 +657,7 @@ def test_other_param_groups_or_a_manifest_field_missing_change_nothing(tmp_path:
     del manifest["torch_version"]
     (path / "checkpoint.json").write_text(json.dumps(manifest))
     whole = torch.optim.AdamW(fresh.parameters())
-    with pytest.raises(
-        CheckpointError, match="torch_version is None, not a string; the manifest"
-    ):
+    with pytest.raises(CheckpointError, match="torch_version is None, not a string; the manifest"):
         load_checkpoint(path, fresh, whole, verify=False)
     assert _same(fresh, before) and not whole.state
     assert torch.equal(torch.random.get_rng_state(), rng)
@@ -669,7 +668,7 @@ def test_a_load_that_fails_mid_read_changes_nothing(tmp_path: Path) -> None:
     landed left the model partly loaded. Proves: the last record read fails (an I/O error
     injected in the reader), the load raises and the model, the optimizer and the RNG are
     bit-identical to before, verified or not."""
-    from checkpoint_io._read.storage import SafeReader
+    from checkpoint_io._storage.reader import SafeReader
 
     model, optimizer = trained()
     path = save_checkpoint(tmp_path / "c", model, optimizer, step=1)

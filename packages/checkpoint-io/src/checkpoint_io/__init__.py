@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
+from checkpoint_io._background.async_save import async_save_checkpoint
+from checkpoint_io._background.inflight import PendingCheckpoint
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.manifest import CheckpointInfo
 from checkpoint_io._importer import import_checkpoint
+from checkpoint_io._load import load_checkpoint
 from checkpoint_io._manager.manager import CheckpointManager
 from checkpoint_io._manager.steps import latest_checkpoint
-from checkpoint_io._read.load import load_checkpoint
-from checkpoint_io._read.saved import SavedModel, saved_model
-from checkpoint_io._read.whole import consolidate_checkpoint
-from checkpoint_io._state.full import full_state_dict
-from checkpoint_io._write.async_save import async_save_checkpoint
-from checkpoint_io._write.inflight import PendingCheckpoint
-from checkpoint_io._write.save import save_checkpoint
+from checkpoint_io._model import full_state_dict
+from checkpoint_io._save import save_checkpoint
+from checkpoint_io._storage.manifest import CheckpointInfo
+from checkpoint_io._whole import SavedModel, consolidate_checkpoint, saved_model
 
 __all__ = [
     "CheckpointError",

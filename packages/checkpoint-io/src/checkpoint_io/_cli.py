@@ -15,8 +15,8 @@ from typing import NoReturn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint_io._errors import CheckpointError, escaped
-from checkpoint_io._read.files import read_checked
-from checkpoint_io._read.whole import consolidate_checkpoint, model_fingerprint
+from checkpoint_io._storage.files import read_checked
+from checkpoint_io._whole import consolidate_checkpoint, model_fingerprint
 
 USAGE_EXIT = 2
 

@@ -22,9 +22,13 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from checkpoint_io import _compat
+from checkpoint_io._claim import ClaimPlanner, SaveClaim, Whole
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.digest import FileTable
-from checkpoint_io._format.manifest import (
+from checkpoint_io._rng import rng_tensors
+from checkpoint_io._save import seal
+from checkpoint_io._stateful import encode_states
+from checkpoint_io._storage.digest import FileTable
+from checkpoint_io._storage.manifest import (
     DCP_METADATA,
     FORMAT,
     FORMAT_VERSION,
@@ -35,10 +39,7 @@ from checkpoint_io._format.manifest import (
     rng_file,
     stateful_file,
 )
-from checkpoint_io._state.stateful import encode_states
-from checkpoint_io._write.claim import ClaimPlanner, SaveClaim, Whole
-from checkpoint_io._write.publish import rng_tensors, seal
-from checkpoint_io._write.storage import SafeWriter, write_tensors_file
+from checkpoint_io._storage.writer import SafeWriter, write_tensors_file
 
 
 def import_checkpoint(

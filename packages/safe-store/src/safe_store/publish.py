@@ -1,10 +1,12 @@
 """A finished output directory appears whole, durable before it is published.
 
-Files are written into a staging directory beside the output (same filesystem), each flushed,
-then published: a new directory by one rename of the staging directory; an existing one (asked
-to be overwritten) file by file, each by one rename, and only the files the writer names as
-its own are removed, so a run directory that also holds ``step-100/`` or a training log keeps
-them. The parent directory is flushed after the rename.
+Files are written into a staging directory beside the output (same filesystem), every file and
+directory of it flushed, then published: a new directory by one rename of the staging
+directory; an existing one either replaced whole (moved aside, the new one renamed in, the
+parent flushed, only then the old one removed: a checkpoint) or, file by file, each by one
+rename, removing only the files the writer names as its own (a ``save_pretrained`` directory
+that also holds ``step-100/`` or a training log keeps them). The parent directory is flushed
+after the rename, before anything older is removed.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from dist_core import fsync_dir, fsync_file
+from dist_core import fsync_dir, fsync_file, fsync_tree
 
 __all__ = ["abandon", "begin", "check_target", "output_dir", "publish", "staging_dir"]
 
@@ -70,22 +72,47 @@ def begin(out_dir: Path) -> Path:
     return partial
 
 
-def publish(partial: Path, out_dir: Path, *, stale: Callable[[str], bool]) -> None:
-    """Flush every file of ``partial``, then publish it as ``out_dir``.
+def publish(
+    partial: Path,
+    out_dir: Path,
+    *,
+    stale: Callable[[str], bool] | None = None,
+    aside: Path | None = None,
+) -> None:
+    """Flush every file and directory of ``partial``, then publish it as ``out_dir``.
 
     Args:
-        partial: The staging directory, holding regular files only.
+        partial: The staging directory.
         out_dir: The output directory.
-        stale: Whether a file already in ``out_dir`` is an earlier output's (removed when the
-            new output does not hold a file of that name); nothing else there is touched.
+        stale: Merge into an existing ``out_dir`` file by file: whether a file there is an
+            earlier output's (removed when the new output does not hold a file of that name);
+            nothing else there is touched. (``partial`` holds files only.)
+        aside: Replace an existing ``out_dir`` whole: where it goes until the new one is in
+            place and flushed (then removed; renamed back if the new one cannot go in).
+
+    Raises:
+        FileExistsError: If ``out_dir`` exists and neither ``stale`` nor ``aside`` is given.
     """
-    for file in partial.iterdir():
-        fsync_file(file)
-    fsync_dir(partial)
+    for folder, _, names in os.walk(partial):
+        for name in names:
+            fsync_file(Path(folder, name))
+    fsync_tree(partial)
     if not out_dir.exists():
         os.replace(partial, out_dir)
         fsync_dir(out_dir.parent)
         return
+    if aside is not None:
+        out_dir.rename(aside)
+        try:
+            partial.rename(out_dir)
+        except BaseException:
+            aside.rename(out_dir)
+            raise
+        fsync_dir(out_dir.parent)  # the rename is on the disk before the old one goes
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    if stale is None:
+        raise FileExistsError(f"{str(out_dir)!r} exists; nothing was published over it")
     new = {file.name for file in partial.iterdir()}
     for name in sorted(new):
         os.replace(partial / name, out_dir / name)

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from checkpoint_io._background.async_save import start_async_save
+from checkpoint_io._background.inflight import PendingCheckpoint
 from checkpoint_io._manager.resume import resume_latest
 from checkpoint_io._manager.steps import (
     check_root,
@@ -31,9 +33,7 @@ from checkpoint_io._manager.steps import (
     step_path,
 )
 from checkpoint_io._manager.stop import Requeue, StopSignals
-from checkpoint_io._write.async_save import start_async_save
-from checkpoint_io._write.inflight import PendingCheckpoint
-from checkpoint_io._write.save import save_checkpoint
+from checkpoint_io._save import save_checkpoint
 from dist_core import make_dirs, rank
 
 logger = logging.getLogger(__name__)

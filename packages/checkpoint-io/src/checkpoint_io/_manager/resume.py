@@ -12,8 +12,8 @@ from torch import nn
 
 from checkpoint_io._collective import from_rank0
 from checkpoint_io._errors import CheckpointError
+from checkpoint_io._load import load_checkpoint
 from checkpoint_io._manager.steps import complete_checkpoints, remove_leftovers
-from checkpoint_io._read.load import load_checkpoint
 from dist_core import log_rank0, rank
 
 logger = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ import shutil
 from pathlib import Path
 
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.manifest import STEP_DIR, STEP_PREFIX, saved_sequence
-from checkpoint_io._read.files import read_checked
-from checkpoint_io._read.rng import read_rng_state
+from checkpoint_io._rng import read_rng_state
+from checkpoint_io._storage.files import read_checked
+from checkpoint_io._storage.manifest import STEP_DIR, STEP_PREFIX, saved_sequence
 
 logger = logging.getLogger(__name__)
 

@@ -1,8 +1,18 @@
-"""``save_checkpoint``: atomic, collective, portable."""
+"""``save_checkpoint``, top to bottom: check, collect, claim, write with DCP, publish.
+
+Atomic, collective, portable: every rank collects its state (no collective), DCP plans the
+write and the ranks settle the temporary directory in its planning (a failure on any rank
+travels there: nothing is written, every rank raises), each rank writes its files, and rank 0
+publishes the checkpoint at DCP's commit (manifest, every file flushed, one rename, the parent
+flushed, only then the old checkpoint removed).
+"""
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Mapping
@@ -13,29 +23,37 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from checkpoint_io._background.inflight import settle_in_flight
+from checkpoint_io._claim import ClaimPlanner, SaveClaim
 from checkpoint_io._collective import single_process_quiet
 from checkpoint_io._compat import CheckpointException, dcp_failure
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.manifest import (
-    FORMAT,
-    FORMAT_VERSION,
-    MODEL,
-    OPTIM,
-    STATEFUL,
-    PathLike,
-)
-from checkpoint_io._state.model import (
+from checkpoint_io._model import (
     model_class,
     model_device,
     model_state,
     require_model_device,
     tied_names,
 )
-from checkpoint_io._state.optimizer import optimizer_state
-from checkpoint_io._state.stateful import StatefulParts
-from checkpoint_io._state.stateful import collect as collect_stateful
-from checkpoint_io._write.claim import ClaimPlanner, SaveClaim
-from checkpoint_io._write.publish import begin, publishing_writer
+from checkpoint_io._optimizer import optimizer_state
+from checkpoint_io._rng import rng_tensors
+from checkpoint_io._stateful import StatefulParts, check_stateful
+from checkpoint_io._stateful import collect as collect_stateful
+from checkpoint_io._storage.digest import FileTable, file_entry
+from checkpoint_io._storage.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    MODEL,
+    OPTIM,
+    STATEFUL,
+    PathLike,
+    next_sequence,
+    rng_file,
+    stateful_file,
+    write_manifest,
+)
+from checkpoint_io._storage.writer import SafeWriter, write_tensors_file
 from dist_core import (
     bound_device,
     log_rank0,
@@ -45,7 +63,8 @@ from dist_core import (
     unwrap_model,
     world_size,
 )
-from rng_fork import capture_rng_state
+from rng_fork import RngState, capture_rng_state
+from safe_store import publish
 
 logger = logging.getLogger(__name__)
 
@@ -199,3 +218,96 @@ def new_manifest(
         "model_keys": list(unwrap_model(model).state_dict(keep_vars=True)),
         "extra": dict(extra or {}),
     }
+
+
+def begin(
+    path: object,
+    model: object,
+    optimizer: object,
+    step: object,
+    extra: object,
+    stateful: object,
+) -> Path:
+    """Check the arguments and settle a save still in flight (no collective).
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        TypeError: An argument of the wrong type, named with its value.
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} ({path!r})")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
+        raise TypeError(f"step must be an int or None, got {type(step).__name__} ({step!r})")
+    if extra is not None:
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"extra must be a mapping or None, got {type(extra).__name__}")
+        try:
+            json.dumps(dict(extra), allow_nan=False)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"extra must be JSON-serialisable (it goes into checkpoint.json): {error}; "
+                "store tensors and other objects through stateful= instead"
+            ) from None
+    check_stateful(stateful)
+    settle_in_flight()
+    return Path(os.fspath(path))
+
+
+def publishing_writer(
+    claim: SaveClaim,
+    rng_state: RngState | None,
+    parts: StatefulParts | None,
+    *,
+    device: torch.device | None,
+) -> SafeWriter:
+    """DCP's writer for ``claim``'s save that publishes it when DCP commits.
+
+    The ranks settle the temporary directory in DCP's planning (:class:`SaveClaim`); each
+    writes its RNG and stateful files, then its data file; once the index is written, rank 0
+    adds the file tables to the manifest, flushes everything to the disk and renames the
+    temporary directory to the target. A failure anywhere is raised on every rank (by DCP, or
+    by the claim once DCP returns), and nothing is published.
+    """
+    return SafeWriter(
+        claim,
+        functools.partial(_side_files, rng_state, parts),
+        functools.partial(seal, claim),
+        device=device,
+    )
+
+
+def _side_files(rng_state: RngState | None, parts: StatefulParts | None, root: Path) -> FileTable:
+    """Write and flush this rank's RNG and stateful files; their table entries."""
+    table: FileTable = {}
+    if rng_state is not None:
+        name = rng_file(rank())
+        table[name] = write_tensors_file(root / name, *rng_tensors(rng_state))
+    if parts is not None and parts.writes_file(rank()):
+        name = stateful_file(rank())
+        tensors = [(f"t{i}", t) for i, t in enumerate(parts.tensors)]
+        table[name] = write_tensors_file(root / name, tensors, {"state": parts.text})
+    return table
+
+
+def seal(claim: SaveClaim, tables: list[FileTable]) -> None:
+    """On rank 0, once every rank's files are written: the manifest, then the publish."""
+    partial, target, manifest = claim.partial, claim.target, claim.manifest
+    if partial is None:  # DCP publishes only after the plans are settled
+        raise RuntimeError("the save's directory was not settled before publishing")
+    table: FileTable = {INDEX_FILE: {**file_entry(partial / INDEX_FILE), "rank": 0}}
+    for writer_rank, each in enumerate(tables):
+        table.update({name: {**entry, "rank": writer_rank} for name, entry in each.items()})
+    # NOTE: the place in the saving order, from the checkpoints beside it (a manager's root):
+    # after a roll-back, the newest saved is not the highest step.
+    sequence = next_sequence(target.parent)
+    write_manifest(partial, {**manifest, "files": table, "sequence": sequence})
+    aside = target.parent / f".{target.name}.old-{partial.name.rsplit('-', 1)[1]}"
+    publish(partial, target, aside=aside)  # every file flushed, renamed, the parent flushed

@@ -10,16 +10,18 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from checkpoint_io._collective import from_rank0
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.index import saved_entries
-from checkpoint_io._format.manifest import MODEL
+from checkpoint_io._storage.index import saved_entries
+from checkpoint_io._storage.manifest import MODEL
 from dist_core import (
     compute_device,
+    is_distributed,
+    local_tensor,
     rank,
     require_current_device,
     state_groups,
@@ -152,3 +154,40 @@ def model_class(model: nn.Module) -> str:
 def model_device(model: nn.Module) -> torch.device:
     """The device the model computes on (the mesh's under FSDP2, even with CPU offload)."""
     return compute_device(model)
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The canonical full state dict as plain CPU tensors, under any strategy (collective).
+
+    Keys are the plain model's ``state_dict()`` keys; FSDP2 shards are gathered. Use it for
+    ``save_pretrained``, evaluation and export.
+
+    Args:
+        model: Plain, DDP, FSDP2 or compiled.
+        rank0_only: Only rank 0 receives the tensors (the others get ``{}``), so the other
+            ranks need no host memory for them.
+
+    Returns:
+        ``name -> CPU tensor``, never sharing storage with the model (a later step does not
+        change it, whatever the device).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not is_distributed():
+        state = model_state(model)
+    else:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+        state = get_model_state_dict(model, options=options)  # type: ignore[assignment]
+    # Never an alias of the model's own storage (a DDP or plain model on the CPU): the
+    # result is a snapshot, on the CPU as on CUDA, which training does not change.
+    live = {_storage(t) for t in unwrap_model(model).state_dict().values()}
+    return {k: _snapshot(v, live) for k, v in state.items()}
+
+
+def _snapshot(tensor: torch.Tensor, live: set[int]) -> torch.Tensor:
+    copy = tensor.detach().cpu()
+    return copy.clone() if _storage(copy) in live else copy
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return int(local_tensor(tensor).untyped_storage().data_ptr())

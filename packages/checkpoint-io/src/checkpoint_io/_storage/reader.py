@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from checkpoint_io._errors import CheckpointError, shown
-from checkpoint_io._format.index import Record, Value
-from checkpoint_io._read.files import CheckpointFiles
+from checkpoint_io._storage.files import CheckpointFiles
+from checkpoint_io._storage.index import Record, Value
 
 
 class SafeReader(StorageReader):

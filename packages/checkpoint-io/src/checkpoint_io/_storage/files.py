@@ -11,7 +11,7 @@ exactly one of its tensors' bytes. Records are then read in file order, one at a
 (:meth:`CheckpointFiles.read_records`): a rank holds one record in memory, not the file.
 
 A verified read that finds a changed file raises after the file's last record was decoded:
-the values were read into staging (see :mod:`checkpoint_io._read.load`), so nothing was changed.
+the values were read into staging (see :mod:`checkpoint_io._load`), so nothing was changed.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any, BinaryIO, NoReturn
 from torch.distributed.checkpoint.metadata import Metadata
 
 from checkpoint_io._errors import CheckpointError, escaped, inside, open_regular, shown
-from checkpoint_io._format.digest import RECORDS, Digest, check_sizes, record_digest
-from checkpoint_io._format.index import check_files, check_index, decode_index
-from checkpoint_io._format.manifest import INDEX_FILE, MANIFEST, read_manifest
+from checkpoint_io._storage.digest import RECORDS, Digest, check_sizes, record_digest
+from checkpoint_io._storage.index import check_files, check_index, decode_index
+from checkpoint_io._storage.manifest import INDEX_FILE, MANIFEST, read_manifest
 from safe_store import MAX_HEADER_BYTES, parse_header
 
 _WINDOW = 64 << 20  # bytes read at a time between the records a rank needs (hashed, dropped)

@@ -3,7 +3,7 @@
 No tensor is gathered to check a checkpoint: the manifest records every file's size and
 xxh3-128 digest (and each tensor record's, in a data file), each rank computes those of the
 files it wrote as it writes them (safe-store's ``StreamWriter``), and a verified read
-(:mod:`checkpoint_io._read.files`) hashes the very bytes it decodes (:class:`Digest`).
+(:mod:`checkpoint_io._storage.files`) hashes the very bytes it decodes (:class:`Digest`).
 XXH3-128 is built for speed and for damage, not for tampering: a checkpoint from an untrusted
 source is safe to read because its format carries no code.
 """

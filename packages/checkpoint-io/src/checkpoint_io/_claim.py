@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 
 from checkpoint_io._collective import agree, agreed
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._state.stateful import StatefulParts
+from checkpoint_io._stateful import StatefulParts
 from dist_core import rank
 from safe_store import dumps
 
@@ -210,7 +210,7 @@ def claim_now(
 
     A failure on any rank (``failure``, or rank 0's refusal to overwrite) raises on every
     rank as :meth:`SaveClaim.raise_failure` would; ``parts.everyone`` is set. ``layout``
-    (:func:`~checkpoint_io._write.staging.replicated_share`'s) must be the same on every
+    (:func:`~checkpoint_io._background.staging.replicated_share`'s) must be the same on every
     rank.
 
     Returns:

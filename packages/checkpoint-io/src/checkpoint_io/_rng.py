@@ -1,4 +1,4 @@
-"""The RNG streams after a load: restored at the same world size, derived at another."""
+"""The RNG streams: saved per rank, restored at the same world size, derived at another."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.manifest import rng_file
-from checkpoint_io._read.files import CheckpointFiles
+from checkpoint_io._storage.files import CheckpointFiles
+from checkpoint_io._storage.manifest import rng_file
 from dist_core import log_rank0, rank, world_size
 from rng_fork import RngState, check_rng_state, derive_seed, restore_rng_state, seed_rng
-from safe_store import header_of, loads, tensor_of
+from safe_store import dumps, header_of, loads, tensor_of
 
 logger = logging.getLogger(__name__)
 
@@ -140,3 +140,18 @@ def _current_index(kind: str) -> int | None:
     if module is None or not module.is_available() or module.device_count() < 1:
         return None
     return int(module.current_device())
+
+
+def rng_tensors(state: RngState) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+    """An RNG state as a safetensors file's tensors (uint8) and ``__metadata__`` (JSON)."""
+    device = state["device"]
+    tensors = [("cpu", state["cpu"])]
+    if device is not None:
+        tensors.append(("device", device["state"]))
+    described = {
+        "format": state["format"],
+        "device": None if device is None else {"type": device["type"], "index": device["index"]},
+        "python": state["python"],
+        "numpy": state["numpy"],
+    }
+    return tensors, {"rng": dumps(described, what="the RNG state")}

@@ -7,7 +7,7 @@ sharding offsets, so torch's own ``HuggingFaceStorageReader`` reads the tensors 
 that are not tensors travel to the coordinator in the write results as safe-store's JSON and
 land in ``index.json`` with DCP's index. Each rank's RNG and stateful files are written
 beside (:func:`write_tensors_file`). Where it writes is settled in DCP's planning
-(:class:`~checkpoint_io._write.claim.SaveClaim`); when a rank failed before writing, no rank
+(:class:`~checkpoint_io._claim.SaveClaim`); when a rank failed before writing, no rank
 writes and the coordinator publishes nothing.
 """
 
@@ -25,10 +25,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from checkpoint_io._format.digest import FileTable
-from checkpoint_io._format.index import Record, Value, encode_index
-from checkpoint_io._format.manifest import INDEX_FILE
-from checkpoint_io._write.claim import Planned, SaveClaim, Share, share_of
+from checkpoint_io._claim import Planned, SaveClaim, Share, share_of
+from checkpoint_io._storage.digest import FileTable
+from checkpoint_io._storage.index import Record, Value, encode_index
+from checkpoint_io._storage.manifest import INDEX_FILE
 from dist_core import fsync_file, on_device
 from safe_store import StreamWriter
 

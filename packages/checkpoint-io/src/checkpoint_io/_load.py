@@ -16,7 +16,24 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from checkpoint_io._collective import agree, single_process_quiet
 from checkpoint_io._compat import CheckpointException
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._format.manifest import (
+from checkpoint_io._model import (
+    check_model_keys,
+    model_device,
+    model_state,
+    require_model_device,
+    template,
+)
+from checkpoint_io._optimizer import (
+    check_optimizer_groups,
+    load_optimizer,
+    optimizer_template,
+    saved_param_groups,
+)
+from checkpoint_io._rng import rng_restore
+from checkpoint_io._stateful import StatefulLoad, check_stateful
+from checkpoint_io._stateful import plan_load as plan_stateful
+from checkpoint_io._storage.files import read_checked
+from checkpoint_io._storage.manifest import (
     MODEL,
     OPTIM,
     STATEFUL,
@@ -24,26 +41,8 @@ from checkpoint_io._format.manifest import (
     PathLike,
     info_from,
 )
-from checkpoint_io._read.files import read_checked
-from checkpoint_io._read.planner import SafeLoadPlanner, refusal
-from checkpoint_io._read.rng import rng_restore
-from checkpoint_io._read.stateful import StatefulLoad
-from checkpoint_io._read.stateful import plan_load as plan_stateful
-from checkpoint_io._read.storage import SafeReader
-from checkpoint_io._state.model import (
-    check_model_keys,
-    model_device,
-    model_state,
-    require_model_device,
-    template,
-)
-from checkpoint_io._state.optimizer import (
-    check_optimizer_groups,
-    load_optimizer,
-    optimizer_template,
-    saved_param_groups,
-)
-from checkpoint_io._state.stateful import check_stateful
+from checkpoint_io._storage.planners import SafeLoadPlanner, refusal
+from checkpoint_io._storage.reader import SafeReader
 from dist_core import log_rank0, rank, strategy_of, world_size
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,177 @@
+"""The full model state as plain tensors, and consolidation into Hugging Face's layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from checkpoint_io import _compat
+from checkpoint_io._errors import CheckpointError
+from checkpoint_io._model import local_fingerprint
+from checkpoint_io._storage.files import CheckpointFiles, read_checked
+from checkpoint_io._storage.index import saved_entries
+from checkpoint_io._storage.manifest import MODEL
+from checkpoint_io._storage.planners import SafeLoadPlanner, SafeWholePlanner, refusal
+from checkpoint_io._storage.reader import SafeReader
+from hf_io import KeyMap, export_tensors
+
+
+def model_fingerprint(path: str | os.PathLike[str]) -> str:
+    """The full model state's ``replica_init.state_fingerprint``, read offline (one process).
+
+    Strategy-independent: the same for a checkpoint saved under DDP, FSDP or one process
+    when the weights are the same. Reads the whole model into host memory.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+        CheckpointError: If it is not a readable checkpoint.
+    """
+    root = Path(os.fspath(path))
+    return local_fingerprint(_read_whole(root)[1].get(MODEL, {}))
+
+
+def _read_whole(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The manifest, and every entry of the checkpoint as plain tensors and values.
+
+    The index is read without running code and every value ``weights_only``
+    (:mod:`checkpoint_io._format.values`); an unsafe one raises :class:`CheckpointError`.
+    """
+    manifest, metadata, files = read_checked(root, verify=True)  # each file's digest as it is read
+    whole: dict[str, Any] = {}
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            _compat.load_in_process(whole, SafeReader(files, metadata), SafeWholePlanner())  # type: ignore[no-untyped-call]
+    except CheckpointError:
+        raise
+    except (Exception, _compat.CheckpointException) as error:  # the latter: a BaseException
+        unsafe = refusal(error)
+        if unsafe is not None:
+            raise unsafe from None
+        raise CheckpointError(f"reading {str(root)!r} failed ({error})") from None
+    return manifest, whole
+
+
+def consolidate_checkpoint(
+    path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    key_map: KeyMap | None = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    config_from: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Write a checkpoint's model in Hugging Face's layout (offline, one process), via hf-io.
+
+    Whatever strategy and world size saved it: ``model.safetensors`` (or shards and their
+    index), the same bytes ``hf_io.save_pretrained`` writes from the live model (ties once,
+    under their first name, in the model's state-dict order), read one tensor at a time and
+    verified. transformers' ``from_pretrained`` reads the output (with ``config_from``'s
+    ``config.json``).
+
+    Args:
+        path: The checkpoint directory.
+        out_dir: The directory to create.
+        key_map: The model's names -> the names to write (hf-io's ``KeyMap``).
+        max_shard_size: The largest file (``"5GB"``); above it, shards and an index.
+        overwrite: Write into an existing ``out_dir`` (hf-io's rule: only its own files).
+        config_from: A directory whose ``config.json`` / ``generation_config.json`` are
+            copied (the pretrained model the run started from).
+
+    Returns:
+        ``out_dir`` as a ``pathlib.Path``.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+        CheckpointError: If it is not a readable checkpoint.
+        FileExistsError: If ``out_dir`` exists and ``overwrite`` is false.
+    """
+    saved = saved_model(path)
+    return export_tensors(
+        saved.tensors,
+        saved.read,
+        out_dir,
+        tied=saved.tied,
+        key_map=key_map,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        config_from=config_from,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedModel:
+    """A checkpoint's model tensors, described from the index and read on demand.
+
+    Attributes:
+        path: The checkpoint directory.
+        tensors: Name -> ``(dtype, shape)`` of every model tensor, in the saved model's
+            state-dict order (recorded in the manifest; DCP's index order otherwise).
+        tied: Groups of names that shared one tensor in the saved model (empty for
+            checkpoints written before ties were recorded).
+    """
+
+    path: Path
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    tied: tuple[tuple[str, ...], ...]
+    _metadata: Metadata = dataclasses.field(repr=False)
+    _files: CheckpointFiles = dataclasses.field(repr=False)
+
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name`` as a CPU tensor (only its chunks are read).
+
+        Raises:
+            KeyError: If the model has no tensor ``name``.
+            CheckpointError: If it cannot be read safely.
+        """
+        dtype, shape = self.tensors[name]
+        state = {MODEL: {name: torch.empty(shape, dtype=dtype)}}
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                _compat.load_in_process(
+                    state, SafeReader(self._files, self._metadata), SafeLoadPlanner()
+                )
+        except CheckpointError:
+            raise
+        except (Exception, _compat.CheckpointException) as error:
+            raise refusal(error) or CheckpointError(
+                f"reading {name!r} from {str(self.path)!r} failed ({error})"
+            ) from None
+        return state[MODEL][name]
+
+
+def saved_model(path: str | os.PathLike[str]) -> SavedModel:
+    """Describe the model tensors of the checkpoint at ``path`` (offline, one process).
+
+    Reads the manifest and DCP's index (no code runs) and checks every file's size and
+    digest (a pass over the files: ``read`` then reads one record at a time, not whole
+    files); tensors are read by ``read``.
+
+    Raises:
+        FileNotFoundError: If ``path`` does not exist.
+        CheckpointError: If it is not a readable checkpoint.
+    """
+    root = Path(os.fspath(path))
+    manifest, metadata, files = read_checked(root, verify=True)
+    files.check_all()  # digests first: each read below takes only its records
+    records = CheckpointFiles(root, manifest, verify=False)
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+    for key, storage in saved_entries(metadata, MODEL).items():
+        if len(key) == 1 and isinstance(storage, TensorStorageMetadata):
+            tensors[str(key[0])] = (storage.properties.dtype, tuple(storage.size))
+    order = manifest.get("model_keys")  # the model's state-dict order (DCP's index has its own)
+    if isinstance(order, list) and sorted(map(str, order)) == sorted(tensors):
+        tensors = {str(name): tensors[str(name)] for name in order}
+    tied = manifest.get("tied") or []
+    if not isinstance(tied, list) or not all(
+        isinstance(g, list) and all(isinstance(n, str) and n in tensors for n in g) for g in tied
+    ):
+        raise CheckpointError(f"{root}'s manifest has a malformed 'tied' list")
+    return SavedModel(root, tensors, tuple(tuple(g) for g in tied), metadata, records)
