@@ -1,17 +1,13 @@
 """The one read path: every file of a checkpoint opened once and checked from the bytes decoded.
 
-Every reader (``load_checkpoint``, ``consolidate_checkpoint``, ``inspect --fingerprint``,
-:func:`saved_model`, the RNG and stateful files of a load) reads a checkpoint's files through
-:class:`CheckpointFiles`. A file is opened once, as a regular file inside the checkpoint (no
-link, no FIFO); its size is the one the manifest recorded, every file read is one the manifest
-recorded, and with ``verify`` its digest is computed from the very bytes that are then decoded
-(no window between a check and a second read). Data files are safetensors: each one's header
-is read first and checked by safe-store's rules, and every record the index asks for must be
-exactly one of its tensors' bytes. Records are then read in file order, one at a time
-(:meth:`CheckpointFiles.read_records`): a rank holds one record in memory, not the file.
-
-A verified read that finds a changed file raises after the file's last record was decoded:
-the values were read into staging (see :mod:`checkpoint_io._load`), so nothing was changed.
+Every reader reads a checkpoint's files through :class:`CheckpointFiles`. A file is opened
+once, as a regular file inside the checkpoint (no link, no FIFO); it must be one the manifest
+recorded, at its recorded size; with ``verify`` the digest is computed from the very bytes
+that are then decoded (no window between a check and a second read). A data file's
+safetensors header is read first and checked by safetensors' own rules (safe-store); every
+record the index asks for must be exactly one of its tensors' bytes, and is read in file
+order, one at a time, into one reused buffer, its digest checked before it is decoded (and the
+header's, which the records were found by).
 """
 
 from __future__ import annotations
@@ -23,13 +19,15 @@ from typing import Any, BinaryIO, NoReturn
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from checkpoint_io._errors import CheckpointError, escaped, inside, open_regular, shown
+from checkpoint_io._errors import CheckpointError, escaped, inside, open_regular
 from checkpoint_io._storage.digest import RECORDS, Digest, check_sizes, record_digest
 from checkpoint_io._storage.index import check_files, check_index, decode_index
 from checkpoint_io._storage.manifest import INDEX_FILE, MANIFEST, read_manifest
 from safe_store import MAX_HEADER_BYTES, parse_header
 
-_WINDOW = 64 << 20  # bytes read at a time between the records a rank needs (hashed, dropped)
+_PIECE = 16 << 20  # bytes hashed at a time by check_all
+
+Span = tuple[int, int]  # (offset, length) of a record in its file
 
 
 class CheckpointFiles:
@@ -37,9 +35,9 @@ class CheckpointFiles:
 
     Args:
         root: The checkpoint directory.
-        manifest: Its manifest (read by :func:`read_manifest`); its file table, when it has
-            one (formats 2 and 3), says which files exist, their sizes and digests.
-        verify: Check each file's digest from the bytes read.
+        manifest: Its manifest (read by :func:`read_manifest`): which files exist, their
+            sizes and digests (and each data file's records').
+        verify: Check each file's (or record's) digest from the bytes read.
 
     Raises:
         CheckpointError: If the manifest's file table is malformed.
@@ -47,13 +45,13 @@ class CheckpointFiles:
 
     def __init__(self, root: Path, manifest: Mapping[str, Any], *, verify: bool) -> None:
         table = manifest["files"]
-        if not isinstance(table, Mapping) or not all(
-            isinstance(name, str)
-            and isinstance(entry, Mapping)
+        if not all(
+            isinstance(entry, Mapping)
             and type(entry.get("bytes")) is int
             and entry["bytes"] >= 0
+            and isinstance(entry.get("xxh3_128"), str)
             and _records_well_formed(entry.get(RECORDS, []))
-            for name, entry in table.items()
+            for entry in table.values()
         ):
             raise CheckpointError(
                 f"{root / MANIFEST}'s file table is malformed (each entry maps a file name to "
@@ -70,206 +68,110 @@ class CheckpointFiles:
             CheckpointError: Outside the checkpoint, not a regular file, not recorded, missing,
                 of another size, or (``verify``) another digest.
         """
-        stream, size, digest = _open(self, name)
+        stream, size = self._open(name)
         with stream:
-            data = _read_exactly(stream, size, self.root / name)
-        if digest is not None:
+            data = _take(stream, _Buffer(size), size, self.root / name)
+        if self.verify:
+            digest = Digest(self.table[name])
             digest.update(data)
-            _check(self.root, name, digest)
-        return data
+            _check(self.root, name, digest.found(), digest.expected)
+        return bytes(data)
 
     def read_records(
-        self,
-        name: str,
-        spans: list[tuple[int, int]],
-        each: Callable[[int, memoryview], None],
-        *,
-        whole_file: bool = False,
+        self, name: str, spans: list[Span], each: Callable[[int, memoryview], None]
     ) -> None:
-        """Hand the bytes of each ``(offset, length)`` record of data file ``name`` to ``each``.
-
-        In file order, one record in memory at a time. With ``verify``, when the manifest
-        holds each record's digest (checkpoints written since they were added), each record is
-        checked before it is decoded and nothing else is read; otherwise every byte of the file
-        is hashed on the way (the gaps too) and the file's digest is checked after the last
-        record (``each`` decodes into staging); when ``each`` fails, the rest of the file is
-        hashed first, so a changed file is reported as changed, not as whatever broke.
+        """Hand the bytes of each record of data file ``name`` to ``each``, in file order.
 
         Args:
             name: The data file, relative to the checkpoint.
             spans: The records; identical ones are the caller's to merge.
-            each: Called with ``(index into spans, the record's bytes)``.
-            whole_file: Check the whole file's digest (every byte read), not the records'.
+            each: Called with ``(index into spans, the record's bytes)``, valid until it
+                returns.
 
         Raises:
-            CheckpointError: As :meth:`read`; records that overlap or end past the file.
+            CheckpointError: As :meth:`read`; a header safetensors would refuse, a record that
+                is not one of its tensors, or (``verify``) whose digest differs.
         """
-        stream, size, digest = _open(self, name)
+        stream, size = self._open(name)
         file = self.root / name
-        buffer = _Buffer()  # one allocation, reused: a record at a time
-        known = _record_digests(self.table[name]) if digest is not None and not whole_file else None
-        if known is not None and not all(span in known for span in spans):
-            known = None  # a record not in the table: the whole file's digest instead
-        if known is not None:
-            digest = None
+        known = {(int(o), int(n)): str(d) for o, n, d in self.table[name].get(RECORDS, [])}
+        buffer = _Buffer()
         with stream:
-            position = _check_header(stream, file, size, spans, digest, buffer, known)
+            head = _take(stream, buffer, 8, file)
+            length = int.from_bytes(head, "little")
+            if length > MAX_HEADER_BYTES or length > size - 8:
+                raise CheckpointError(f"{escaped(file)}: its header claims {length} bytes")
+            raw = bytes(head) + bytes(_take(stream, buffer, length, file))
+            self._verify(name, (0, len(raw)), raw, known)
+            try:
+                header = parse_header(file, raw[8:], size, ())
+            except ValueError as error:
+                raise CheckpointError(f"{error}; the checkpoint is corrupt or crafted") from None
+            tensors = {(e.data_start + e.begin, e.end - e.begin) for e in header.entries.values()}
             for index in sorted(range(len(spans)), key=lambda i: spans[i]):
-                offset, length = spans[index]
-                if offset < position or offset + length > size:
+                span = spans[index]
+                if span not in tensors:
                     raise CheckpointError(
-                        f"{escaped(file)}: the index's record at bytes {offset}..{offset + length} "
-                        f"overlaps another or ends past the file ({size} bytes); DCP writes "
-                        "neither. Refused as damaged or crafted"
+                        f"{escaped(file)}: the index's record at bytes {span[0]}..{sum(span)} is "
+                        "not one of the file's tensors (by its header); corrupt or crafted"
                     )
-                _skip(stream, position, offset, digest, file, buffer)
-                data = buffer.take(stream, length, file)
-                position = offset + length
-                if digest is not None:
-                    digest.update(data)
-                elif known is not None:
-                    _check_record(self.root, name, (offset, length), data, known)
-                try:
-                    each(index, data)
-                except Exception:
-                    if digest is not None:  # a changed file says so, whatever broke
-                        _skip(stream, position, size, digest, file, buffer)
-                        _check(self.root, name, digest)
-                    raise
-            if digest is not None:
-                _skip(stream, position, size, digest, file, buffer)
-                _check(self.root, name, digest)
+                stream.seek(span[0])
+                data = _take(stream, buffer, span[1], file)
+                self._verify(name, span, data, known)
+                each(index, data)
 
     def check_all(self) -> None:
-        """Check every recorded file's digest (for readers that then read piecemeal).
+        """Check every recorded file's digest, a piece at a time (no whole file in memory).
 
         Raises:
             CheckpointError: As :meth:`read`.
         """
         for name in sorted(self.table):
-            if name.endswith(".safetensors"):
-                self.read_records(name, [], lambda index, data: None, whole_file=True)
-            else:
-                self.read(name)
+            stream, _ = self._open(name)
+            digest = Digest(self.table[name])
+            with stream:
+                while piece := stream.read(_PIECE):
+                    digest.update(piece)
+            _check(self.root, name, digest.found(), digest.expected)
 
+    def _open(self, name: str) -> tuple[BinaryIO, int]:
+        """``name`` opened (regular, inside, recorded, at its recorded size), and its size."""
+        file = inside(self.root, name, source=str(self.root / MANIFEST))
+        entry = self.table.get(name)
+        if entry is None:
+            raise CheckpointError(
+                f"{self.root}: {escaped(name)} is read but the manifest did not record it (a "
+                "planted file is never read); refused as unsafe"
+            )
+        try:
+            stream = open_regular(file)
+        except OSError as error:
+            raise CheckpointError(
+                f"the checkpoint is truncated or corrupt: {escaped(name)} is missing or "
+                f"unreadable ({error}); save it again (or restore it from a copy)"
+            ) from None
+        size = os.fstat(stream.fileno()).st_size
+        if size != entry["bytes"]:
+            stream.close()
+            raise CheckpointError(
+                f"the checkpoint is truncated or corrupt: {escaped(name)} is {size} bytes, "
+                f"{entry['bytes']} were written; save it again (or restore it from a copy)"
+            )
+        return stream, size
 
-def _check_header(
-    stream: BinaryIO,
-    file: Path,
-    size: int,
-    spans: list[tuple[int, int]],
-    digest: Digest | None,
-    buffer: _Buffer,
-    known: dict[tuple[int, int], str] | None,
-) -> int:
-    """Read and check a data file's safetensors header; every span one tensor's bytes.
-
-    Returns:
-        The position after the header.
-
-    Raises:
-        CheckpointError: A header safetensors would refuse, or a span that is not exactly
-            one of its tensors' bytes.
-    """
-    prefix = bytes(buffer.take(stream, 8, file))
-    length = int.from_bytes(prefix, "little")
-    if length > MAX_HEADER_BYTES or length > size - 8:
-        raise CheckpointError(
-            f"{escaped(file)} is not a safetensors file: its header claims {length} bytes"
-        )
-    raw = bytes(buffer.take(stream, length, file))
-    if digest is not None:
-        digest.update(prefix)
-        digest.update(raw)
-    if known is not None:
-        span = (0, 8 + length)
+    def _verify(
+        self, name: str, span: Span, data: bytes | memoryview, known: dict[Span, str]
+    ) -> None:
+        if not self.verify:
+            return
         if span not in known:
             raise CheckpointError(
-                f"{escaped(file)}: the manifest records no digest of its header; the checkpoint is "
-                "corrupt or crafted"
+                f"{self.root}: the manifest records no digest of {escaped(name)} at bytes "
+                f"{span[0]}..{sum(span)}; the checkpoint is corrupt or crafted"
             )
-        found = record_digest(prefix + raw)
-        if found != known[span]:
-            raise CheckpointError(
-                f"verification failed: {escaped(file)}'s header has checksum {found}, the "
-                f"checkpoint recorded {known[span]}; the file was changed or damaged after saving. "
-                "Nothing was loaded"
-            )
-    try:
-        header = parse_header(file, raw, size, ())
-    except ValueError as error:
-        raise CheckpointError(f"{error}; the checkpoint is corrupt or crafted") from None
-    tensors = {(e.data_start + e.begin, e.end - e.begin) for e in header.entries.values()}
-    odd = [span for span in spans if span not in tensors]
-    if odd:
-        raise CheckpointError(
-            f"{escaped(file)}: the index's record at bytes {odd[0][0]}..{sum(odd[0])} is not one "
-            "of the file's tensors (by its header); the checkpoint is corrupt or crafted"
+        _check(
+            self.root, f"{name} (bytes {span[0]}..{sum(span)})", record_digest(data), known[span]
         )
-    return 8 + length
-
-
-def _open(files: CheckpointFiles, name: str) -> tuple[BinaryIO, int, Digest | None]:
-    """``name`` opened (regular, inside, recorded, at its size), its size, its digest."""
-    source = str(files.root / MANIFEST)
-    file = inside(files.root, name, source=source)
-    entry = files.table.get(name)
-    if entry is None:
-        raise CheckpointError(
-            f"{files.root}: {shown(name)} is read but the manifest did not record it (a "
-            "planted file is never read); refused as unsafe"
-        )
-    try:
-        stream = open_regular(file)
-    except OSError as error:
-        raise CheckpointError(
-            f"the checkpoint is truncated or corrupt: {escaped(name)} is missing or unreadable "
-            f"({error}); save it again (or restore it from a copy)"
-        ) from None
-    size = os.fstat(stream.fileno()).st_size
-    if entry is not None and size != entry["bytes"]:
-        stream.close()
-        raise CheckpointError(
-            f"the checkpoint is truncated or corrupt: {escaped(name)} is {size} bytes, "
-            f"{entry['bytes']} were written; save it again (or restore it from a copy)"
-        )
-    digest = Digest(entry) if files.verify else None
-    return stream, size, digest
-
-
-def _skip(
-    stream: BinaryIO, start: int, end: int, digest: Digest | None, file: Path, buffer: _Buffer
-) -> None:
-    """Move from ``start`` to ``end``: hashed when verifying, else a seek."""
-    if digest is None:
-        stream.seek(end)
-        return
-    for at in range(start, end, _WINDOW):
-        digest.update(buffer.take(stream, min(_WINDOW, end - at), file))
-
-
-class _Buffer:
-    """A growing byte buffer that the records of one file are read into, one at a time."""
-
-    def __init__(self) -> None:
-        self._data = bytearray()
-
-    def take(self, stream: BinaryIO, length: int, file: Path) -> memoryview:
-        """The next ``length`` bytes of ``stream``, in the buffer (valid until the next take).
-
-        Raises:
-            CheckpointError: If the file ends first (it changed while it was read).
-        """
-        if len(self._data) < length:
-            self._data = bytearray(length)
-        view = memoryview(self._data)[:length]
-        done = 0
-        while done < length:
-            got = stream.readinto(view[done:])  # type: ignore[attr-defined]
-            if not got:
-                _short(file, done, length)
-            done += got
-        return view
 
 
 def _records_well_formed(records: object) -> bool:
@@ -282,46 +184,34 @@ def _records_well_formed(records: object) -> bool:
     )
 
 
-def _record_digests(entry: Mapping[str, Any]) -> dict[tuple[int, int], str] | None:
-    """``(offset, length) -> digest`` of a data file's records, or ``None`` if not recorded."""
-    records = entry.get(RECORDS)
-    if not isinstance(records, list):
-        return None
-    return {(int(offset), int(length)): str(found) for offset, length, found in records}
-
-
-def _check_record(
-    root: Path,
-    name: str,
-    span: tuple[int, int],
-    data: memoryview,
-    known: dict[tuple[int, int], str],
-) -> None:
-    found = record_digest(data)
-    if found != known[span]:
+def _check(root: Path, what: str, found: str, expected: str) -> None:
+    if found != expected:
         raise CheckpointError(
-            f"verification failed for {str(root)!r}: {escaped(name)} (bytes "
-            f"{span[0]}..{sum(span)}) has checksum {found}, the checkpoint recorded "
-            f"{known[span]}; the file was changed or "
-            "damaged after saving. Nothing was loaded"
+            f"verification failed for {str(root)!r}: {escaped(what)} has checksum {found}, the "
+            f"checkpoint recorded {expected}; the file was changed or damaged after saving. "
+            "Nothing was loaded"
         )
 
 
-def _check(root: Path, name: str, digest: Digest) -> None:
-    found = digest.found()
-    if found != digest.expected:
-        raise CheckpointError(
-            f"verification failed for {str(root)!r}: {escaped(name)} has checksum {found}, the "
-            f"checkpoint recorded {digest.expected}; the file was changed or damaged after "
-            "saving. Nothing was loaded"
-        )
+class _Buffer:
+    """The buffer a file's records are read into; replaced, never resized (views live on)."""
+
+    def __init__(self, size: int = 0) -> None:
+        self.data = bytearray(size)
 
 
-def _read_exactly(stream: BinaryIO, length: int, file: Path) -> bytes:
-    data = stream.read(length)
-    if len(data) != length:
-        _short(file, len(data), length)
-    return data
+def _take(stream: BinaryIO, buffer: _Buffer, length: int, file: Path) -> memoryview:
+    """The next ``length`` bytes of ``stream``, in ``buffer`` (valid until its next take)."""
+    if len(buffer.data) < length:
+        buffer.data = bytearray(length)
+    view = memoryview(buffer.data)[:length]
+    done = 0
+    while done < length:
+        got = stream.readinto(view[done:])  # type: ignore[attr-defined]
+        if not got:
+            _short(file, done, length)
+        done += got
+    return view
 
 
 def _short(file: Path, got: int, length: int) -> NoReturn:
