@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from checkpoint_io._arguments import check_stateful
 from checkpoint_io._collective import agree, single_process_quiet
 from checkpoint_io._compat import CheckpointException
 from checkpoint_io._errors import CheckpointError
@@ -30,7 +31,7 @@ from checkpoint_io._optimizer import (
     saved_param_groups,
 )
 from checkpoint_io._rng import rng_restore
-from checkpoint_io._stateful import StatefulLoad, check_stateful
+from checkpoint_io._stateful import StatefulLoad
 from checkpoint_io._stateful import plan_load as plan_stateful
 from checkpoint_io._storage.files import read_checked
 from checkpoint_io._storage.manifest import (

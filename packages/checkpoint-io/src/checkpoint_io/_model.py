@@ -16,8 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint_io._collective import from_rank0
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._storage.index import saved_entries
 from checkpoint_io._storage.manifest import MODEL
+from checkpoint_io._storage.tiling import saved_entries
 from dist_core import (
     compute_device,
     is_distributed,

@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 from checkpoint_io._claim import Whole
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._model import parameter_names
-from checkpoint_io._storage.index import saved_entries
 from checkpoint_io._storage.manifest import OPTIM
+from checkpoint_io._storage.tiling import saved_entries
 from dist_core import local_tensor, unwrap_model
 from safe_store import dumps
 from strategy_config import did_you_mean

@@ -10,9 +10,7 @@ flushed, only then the old checkpoint removed).
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Mapping
@@ -23,7 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from checkpoint_io._background.inflight import settle_in_flight
+from checkpoint_io._arguments import begin
 from checkpoint_io._claim import ClaimPlanner, SaveClaim
 from checkpoint_io._collective import single_process_quiet
 from checkpoint_io._compat import CheckpointException, dcp_failure
@@ -37,7 +35,7 @@ from checkpoint_io._model import (
 )
 from checkpoint_io._optimizer import optimizer_state
 from checkpoint_io._rng import rng_tensors
-from checkpoint_io._stateful import StatefulParts, check_stateful
+from checkpoint_io._stateful import StatefulParts
 from checkpoint_io._stateful import collect as collect_stateful
 from checkpoint_io._storage.digest import FileTable, file_entry
 from checkpoint_io._storage.manifest import (
@@ -218,47 +216,6 @@ def new_manifest(
         "model_keys": list(unwrap_model(model).state_dict(keep_vars=True)),
         "extra": dict(extra or {}),
     }
-
-
-def begin(
-    path: object,
-    model: object,
-    optimizer: object,
-    step: object,
-    extra: object,
-    stateful: object,
-) -> Path:
-    """Check the arguments and settle a save still in flight (no collective).
-
-    Returns:
-        The checkpoint directory.
-
-    Raises:
-        TypeError: An argument of the wrong type, named with its value.
-    """
-    if not isinstance(path, str | os.PathLike):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} ({path!r})")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
-        )
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
-        raise TypeError(f"step must be an int or None, got {type(step).__name__} ({step!r})")
-    if extra is not None:
-        if not isinstance(extra, Mapping):
-            raise TypeError(f"extra must be a mapping or None, got {type(extra).__name__}")
-        try:
-            json.dumps(dict(extra), allow_nan=False)
-        except (TypeError, ValueError) as error:
-            raise TypeError(
-                f"extra must be JSON-serialisable (it goes into checkpoint.json): {error}; "
-                "store tensors and other objects through stateful= instead"
-            ) from None
-    check_stateful(stateful)
-    settle_in_flight()
-    return Path(os.fspath(path))
 
 
 def publishing_writer(

@@ -1,20 +1,12 @@
-"""``stateful=`` objects: each rank's own state back to its own rank, whatever its shape.
+"""``stateful=`` objects, saved and loaded: each rank's own state back to its own rank.
 
-DCP keeps one copy of a value that is not a ``DTensor``: a per-rank state saved under one key
-(a streaming dataset's offset, a loader over a per-rank shard, a sampler's generator) came
-back as one rank's on every rank, silently. And DCP loads into the structure of the fresh
-object's ``state_dict()``: a fresh state of another shape (``None`` for a dict, ``{}``, a
-shorter list, a data loader before its first batch) failed to load.
-
-Here each object's state is split: its ``DTensor`` leaves (an EMA model under FSDP) go
-through DCP, sharded and resharded as the model's; everything else (plain tensors included)
-is this rank's own value, saved in ``stateful/rank<r>.safetensors`` (one file per rank,
-written only by ranks whose state differs from rank 0's): its tensors as the file's tensors,
-the rest as safe-store's tagged JSON in the header's ``__metadata__``, read back as saved,
-into whatever the fresh object holds. A value the JSON cannot carry is a ``TypeError`` at
-save, naming the object, before anything is written. The manifest records each object's class and
-a digest of every rank's state, so a load at another world size knows whether the state was
-the same on every rank (it then loads everywhere) or not (refused, naming the object).
+An object's ``DTensor`` leaves (an EMA model under FSDP) go through DCP, resharded as the
+model's. Everything else is this rank's own value (DCP would keep one rank's copy, and load
+only into the fresh object's shape): ``stateful/rank<r>.safetensors`` holds its tensors, and
+the rest as tagged JSON in ``__metadata__`` (written by rank 0, and by each rank whose state
+differs); it loads back as saved, whatever the fresh object holds. The manifest records each
+object's class and every rank's digest: at another world size, a state that differed between
+ranks is refused by name. Objects load first, all or nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +28,8 @@ from checkpoint_io._storage.files import CheckpointFiles
 from checkpoint_io._storage.manifest import stateful_file
 from safe_store import dumps, header_of, loads, tensor_of
 
+logger = logging.getLogger(__name__)
+
 _MARK = "__checkpoint_io_sharded__"  # a DTensor leaf's place in the per-rank state
 
 
@@ -43,14 +37,9 @@ _MARK = "__checkpoint_io_sharded__"  # a DTensor leaf's place in the per-rank st
 class StatefulParts:
     """What one rank saves of its ``stateful=`` objects.
 
-    Attributes:
-        sharded: Per object, its ``DTensor`` leaves by their key (what DCP writes).
-        text: This rank's per-rank states (``{name: state with markers}``) as tagged JSON.
-        tensors: The host copies of the tensors ``text`` refers to (``t0``, ``t1``, ...).
-        digests: Per object, the digest of this rank's per-rank state.
-        classes: Per object, its class.
-        everyone: Every rank's ``digests``, by rank, once the ranks settled (on rank 0; a
-            synchronous save gives the other ranks rank 0's alone).
+    Per object its ``DTensor`` leaves (``sharded``, through DCP), its class and its per-rank
+    state's digest; the per-rank states as tagged JSON (``text``) with the host copies of
+    their tensors; ``everyone``: every rank's digests once the ranks settled.
     """
 
     sharded: dict[str, dict[str, DTensor]]
@@ -80,8 +69,7 @@ def collect(stateful: Mapping[str, Any]) -> StatefulParts:
     """Split every object's state into DCP's part and this rank's own part.
 
     Raises:
-        TypeError: If a value is one the JSON codec cannot carry (a class instance, a
-            bytearray), naming the object and where it sits; before anything is written.
+        TypeError: A value the JSON codec cannot carry, named; before anything is written.
     """
     sharded: dict[str, dict[str, DTensor]] = {}
     local: dict[str, Any] = {}
@@ -166,6 +154,7 @@ def split_sharded(value: Any, path: tuple[str, ...], found: dict[str, DTensor]) 
 
 
 def join_sharded(value: Any, sharded: Mapping[str, torch.Tensor]) -> Any:
+    """``value`` with each marker replaced by its loaded ``DTensor`` leaf."""
     if isinstance(value, dict):
         if set(value) == {_MARK}:
             return sharded[value[_MARK]]
@@ -185,37 +174,12 @@ def class_name(obj: Any) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def check_stateful(stateful: object) -> None:
-    """``stateful`` is ``None`` or a mapping of names to objects with both state methods."""
-    if stateful is None:
-        return
-    if not isinstance(stateful, Mapping):
-        raise TypeError(
-            f"stateful must be a mapping of names to objects, got {type(stateful).__name__}"
-        )
-    for name, obj in stateful.items():
-        if not isinstance(name, str):
-            raise TypeError(f"stateful keys must be strings, got {name!r}")
-        if not (
-            callable(getattr(obj, "state_dict", None))
-            and callable(getattr(obj, "load_state_dict", None))
-        ):
-            raise TypeError(
-                f"stateful[{name!r}] is a {type(obj).__name__}, which lacks state_dict() and "
-                "load_state_dict(); pass an object with both (LR scheduler, module, sampler)"
-            )
-
-
-logger = logging.getLogger(__name__)
-
-
 @dataclasses.dataclass
 class StatefulLoad:
-    """What a load of ``stateful=`` objects reads before anything changes.
+    """What a load of ``stateful=`` objects read, before anything changes.
 
-    Attributes:
-        local: Per object, its per-rank state as saved (markers where DTensors go).
-        targets: Per object, the DCP targets of its ``DTensor`` leaves (fresh tensors).
+    Per object its per-rank state as saved (``local``, markers where DTensors go) and DCP's
+    fresh targets of its ``DTensor`` leaves.
     """
 
     local: dict[str, Any]
@@ -249,12 +213,11 @@ def plan_load(
     rank: int,
     world_size: int,
 ) -> StatefulLoad:
-    """Check and read every object's saved state for this rank (format 3).
+    """Check and read every object's saved state for this rank.
 
     Raises:
-        CheckpointError: An object saved as another class; a state that differed between
-            the ranks that saved it, loaded at another world size; a sharded leaf that the
-            fresh object lacks; an unsafe or unreadable file.
+        CheckpointError: Another class; a state that differed between ranks, loaded at another
+            world size; a sharded leaf the fresh object lacks; a malformed file.
     """
     saved: Mapping[str, Any] = manifest["stateful_state"]
     saved_world = int(manifest["world_size"])
@@ -311,11 +274,7 @@ def plan_load(
 
 
 def read_states(files: CheckpointFiles, source: int) -> dict[str, Any]:
-    """Every object's state in rank ``source``'s stateful file (checked, no code run).
-
-    Raises:
-        CheckpointError: A file that is not safetensors, or whose JSON is malformed.
-    """
+    """Every object's state in rank ``source``'s stateful file (checked; no code is run)."""
     name = stateful_file(source)
     file = files.root / name
     data = files.read(name)

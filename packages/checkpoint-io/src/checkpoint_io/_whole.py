@@ -15,10 +15,10 @@ from checkpoint_io import _compat
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._model import local_fingerprint
 from checkpoint_io._storage.files import CheckpointFiles, read_checked
-from checkpoint_io._storage.index import saved_entries
 from checkpoint_io._storage.manifest import MODEL
 from checkpoint_io._storage.planners import SafeLoadPlanner, SafeWholePlanner, refusal
 from checkpoint_io._storage.reader import SafeReader
+from checkpoint_io._storage.tiling import saved_entries
 from hf_io import KeyMap, export_tensors
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from checkpoint_io._arguments import begin
 from checkpoint_io._background.inflight import PendingCheckpoint, track
 from checkpoint_io._background.staging import replicated_share, stage
 from checkpoint_io._claim import ClaimPlanner, SaveClaim, claim_now
@@ -24,7 +25,7 @@ from checkpoint_io._collective import (
 from checkpoint_io._compat import CheckpointException, async_save_staged, dcp_failure
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._model import model_device
-from checkpoint_io._save import begin, collect_state, new_manifest, publishing_writer
+from checkpoint_io._save import collect_state, new_manifest, publishing_writer
 from checkpoint_io._storage.manifest import PathLike
 from dist_core import is_distributed, log_rank0, rank, world_size
 from rng_fork import capture_rng_state

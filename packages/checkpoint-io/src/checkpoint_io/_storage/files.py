@@ -21,8 +21,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from checkpoint_io._errors import CheckpointError, escaped, inside, open_regular
 from checkpoint_io._storage.digest import RECORDS, Digest, check_sizes, record_digest
-from checkpoint_io._storage.index import check_files, check_index, decode_index
+from checkpoint_io._storage.index import decode_index
 from checkpoint_io._storage.manifest import INDEX_FILE, MANIFEST, read_manifest
+from checkpoint_io._storage.tiling import check_files, check_index
 from safe_store import MAX_HEADER_BYTES, parse_header
 
 _PIECE = 16 << 20  # bytes hashed at a time by check_all
