@@ -37,25 +37,23 @@ def model_fingerprint(path: str | os.PathLike[str]) -> str:
 
 
 def _read_whole(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The manifest, and every entry of the checkpoint as plain tensors and values.
-
-    The index is read without running code and every value ``weights_only``
-    (:mod:`checkpoint_io._format.values`); an unsafe one raises :class:`CheckpointError`.
-    """
-    manifest, metadata, files = read_checked(root, verify=True)  # each file's digest as it is read
+    """The manifest, and every entry of the checkpoint as plain tensors and values."""
+    manifest, metadata, files = read_checked(root, verify=True)
     whole: dict[str, Any] = {}
+    _load(whole, SafeReader(files, metadata), SafeWholePlanner(), str(root))  # type: ignore[no-untyped-call]
+    return manifest, whole
+
+
+def _load(state: dict[str, Any], reader: SafeReader, planner: Any, what: str) -> None:
+    """DCP's load in this process, any failure one :class:`CheckpointError`."""
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            _compat.load_in_process(whole, SafeReader(files, metadata), SafeWholePlanner())  # type: ignore[no-untyped-call]
+            _compat.load_in_process(state, reader, planner)
     except CheckpointError:
         raise
     except (Exception, _compat.CheckpointException) as error:  # the latter: a BaseException
-        unsafe = refusal(error)
-        if unsafe is not None:
-            raise unsafe from None
-        raise CheckpointError(f"reading {str(root)!r} failed ({error})") from None
-    return manifest, whole
+        raise refusal(error) or CheckpointError(f"reading {what} failed ({error})") from None
 
 
 def consolidate_checkpoint(
@@ -112,9 +110,8 @@ class SavedModel:
     Attributes:
         path: The checkpoint directory.
         tensors: Name -> ``(dtype, shape)`` of every model tensor, in the saved model's
-            state-dict order (recorded in the manifest; DCP's index order otherwise).
-        tied: Groups of names that shared one tensor in the saved model (empty for
-            checkpoints written before ties were recorded).
+            state-dict order.
+        tied: Groups of names that shared one tensor in the saved model.
     """
 
     path: Path
@@ -124,7 +121,7 @@ class SavedModel:
     _files: CheckpointFiles = dataclasses.field(repr=False)
 
     def read(self, name: str) -> torch.Tensor:
-        """The whole tensor ``name`` as a CPU tensor (only its chunks are read).
+        """The whole tensor ``name`` as a CPU tensor (only its chunks are read, verified).
 
         Raises:
             KeyError: If the model has no tensor ``name``.
@@ -132,27 +129,16 @@ class SavedModel:
         """
         dtype, shape = self.tensors[name]
         state = {MODEL: {name: torch.empty(shape, dtype=dtype)}}
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
-                _compat.load_in_process(
-                    state, SafeReader(self._files, self._metadata), SafeLoadPlanner()
-                )
-        except CheckpointError:
-            raise
-        except (Exception, _compat.CheckpointException) as error:
-            raise refusal(error) or CheckpointError(
-                f"reading {name!r} from {str(self.path)!r} failed ({error})"
-            ) from None
+        reader = SafeReader(self._files, self._metadata)
+        _load(state, reader, SafeLoadPlanner(), f"{name!r} from {str(self.path)!r}")
         return state[MODEL][name]
 
 
 def saved_model(path: str | os.PathLike[str]) -> SavedModel:
     """Describe the model tensors of the checkpoint at ``path`` (offline, one process).
 
-    Reads the manifest and DCP's index (no code runs) and checks every file's size and
-    digest (a pass over the files: ``read`` then reads one record at a time, not whole
-    files); tensors are read by ``read``.
+    Reads the manifest and the index (every file's size checked); ``read`` then reads a
+    tensor's records, each verified against its digest.
 
     Raises:
         FileNotFoundError: If ``path`` does not exist.
@@ -160,18 +146,14 @@ def saved_model(path: str | os.PathLike[str]) -> SavedModel:
     """
     root = Path(os.fspath(path))
     manifest, metadata, files = read_checked(root, verify=True)
-    files.check_all()  # digests first: each read below takes only its records
-    records = CheckpointFiles(root, manifest, verify=False)
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for key, storage in saved_entries(metadata, MODEL).items():
         if len(key) == 1 and isinstance(storage, TensorStorageMetadata):
             tensors[str(key[0])] = (storage.properties.dtype, tuple(storage.size))
-    order = manifest.get("model_keys")  # the model's state-dict order (DCP's index has its own)
-    if isinstance(order, list) and sorted(map(str, order)) == sorted(tensors):
-        tensors = {str(name): tensors[str(name)] for name in order}
-    tied = manifest.get("tied") or []
-    if not isinstance(tied, list) or not all(
-        isinstance(g, list) and all(isinstance(n, str) and n in tensors for n in g) for g in tied
-    ):
-        raise CheckpointError(f"{root}'s manifest has a malformed 'tied' list")
-    return SavedModel(root, tensors, tuple(tuple(g) for g in tied), metadata, records)
+    order = manifest["model_keys"]  # the model's state-dict order (the index has its own)
+    if sorted(order) == sorted(tensors):
+        tensors = {name: tensors[name] for name in order}
+    tied = manifest["tied"]
+    if not all(n in tensors for group in tied for n in group):
+        raise CheckpointError(f"{root}'s manifest ties names the model does not have")
+    return SavedModel(root, tensors, tuple(tuple(g) for g in tied), metadata, files)

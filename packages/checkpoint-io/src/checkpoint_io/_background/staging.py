@@ -1,27 +1,14 @@
 """Staging for background saves: host copies of the state, in buffers kept between saves.
 
-torch's stager deep-copies every tensor (a new allocation each save, through ``copy.deepcopy``):
-about 90 ms per save here for a 50 MB FSDP2 state, most of the training loop's stall. This
-stager copies each tensor (a ``DTensor``'s local shard) into a host buffer kept from the
-previous save when its shape, stride and dtype match, so a steady run allocates once. The
-buffers are free to reuse because one save is in flight at a time (the next save first waits
-for the previous write). The cost is host memory of this rank's state, held between saves.
-
-Buffers for device tensors are pinned (page-locked) host memory: the device writes into them by
-DMA, each copy is issued without blocking, and the save waits once for all of them (pageable
-buffers made every copy a blocking bounce through a driver buffer). Host tensors get pageable
-buffers: pinning needs an accelerator and buys a CPU-to-CPU copy nothing. :func:`pinned` is
-that rule, and a kept buffer is reused only where its pinning matches it. A buffer is pinned at
-its exact size (an ordinary host allocation registered with the driver, and unregistered when
-the buffer is freed): CUDA's caching host allocator, behind ``pin_memory=True``, rounds each
-block up to a power of two and keeps it for the process's life, up to twice the page-locked
-memory of the state.
-
-What a background save hands DCP is on the host, whatever device the model is on: a
-``DTensor`` is rebuilt over its host shard with the original's spec (as torch's own stager
-does), never through ``DTensor.from_local``, which moves the local tensor to the mesh's device
-type (on a CUDA mesh: a second device copy of the whole state while the next steps train).
-:func:`stage` checks it on every save (:func:`require_host_only`).
+Each tensor (a ``DTensor``'s local shard) is copied into a host buffer kept from the previous
+save when its shape, stride and dtype match (one save is in flight at a time), so a steady run
+allocates once; the cost is this rank's state in host memory, held between saves. A device
+tensor's buffer is pinned at its exact size (registered with the driver, unregistered when
+freed: ``pin_memory=True`` rounds each block up to a power of two and keeps it), copied
+without blocking, and the save waits once per device. What is handed to DCP is on the host,
+whatever the model's device: a ``DTensor`` is rebuilt over its host shard with the original's
+spec (``DTensor.from_local`` would move it back to the mesh's device);
+:func:`require_host_only` checks it on every save.
 """
 
 from __future__ import annotations

@@ -26,8 +26,6 @@ from checkpoint_io._storage.manifest import INDEX_FILE, MANIFEST, read_manifest
 from checkpoint_io._storage.tiling import check_files, check_index
 from safe_store import MAX_HEADER_BYTES, parse_header
 
-_PIECE = 16 << 20  # bytes hashed at a time by check_all
-
 Span = tuple[int, int]  # (offset, length) of a record in its file
 
 
@@ -120,20 +118,6 @@ class CheckpointFiles:
                 data = _take(stream, buffer, span[1], file)
                 self._verify(name, span, data, known)
                 each(index, data)
-
-    def check_all(self) -> None:
-        """Check every recorded file's digest, a piece at a time (no whole file in memory).
-
-        Raises:
-            CheckpointError: As :meth:`read`.
-        """
-        for name in sorted(self.table):
-            stream, _ = self._open(name)
-            digest = Digest(self.table[name])
-            with stream:
-                while piece := stream.read(_PIECE):
-                    digest.update(piece)
-            _check(self.root, name, digest.found(), digest.expected)
 
     def _open(self, name: str) -> tuple[BinaryIO, int]:
         """``name`` opened (regular, inside, recorded, at its recorded size), and its size."""
