@@ -824,7 +824,7 @@ print("ok")
 
 
 def test_staging_pins_exact_sizes_once_and_unpins_what_it_drops(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The pinning rule a CUDA run relies on, executed here: each staging buffer of a device
     tensor is registered at its storage's exact size (pin_memory=True went through CUDA's
@@ -852,6 +852,15 @@ def test_staging_pins_exact_sizes_once_and_unpins_what_it_drops(
     staging._BUFFERS.clear()
     gc.collect()
     assert registered == {}
+
+    def refused(address: int, size: int) -> None:  # a low ulimit -l: the driver refuses
+        raise RuntimeError("could not pin (simulated)")
+
+    monkeypatch.setattr(staging, "_REGISTER", refused)
+    with caplog.at_level("WARNING", logger="checkpoint_io"):
+        staged = staging.stage({"a": torch.arange(4.0)})
+    assert torch.equal(staged["a"], torch.arange(4.0))  # pageable, and the save holds
+    assert "staging in pageable memory instead" in caplog.text
 
 
 def test_a_background_save_whose_directory_cannot_be_made_raises(tmp_path: Path) -> None:

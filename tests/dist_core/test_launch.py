@@ -120,7 +120,10 @@ def test_which_gpu_a_rank_binds() -> None:
 
     slurm = detect_launch(SLURM)  # local rank 1, 3 tasks on this node
     assert gpu_index(slurm, 1, 4) == 1
-    assert gpu_index(slurm, 1, 1) == 0  # srun --gpus-per-task=1: its own one GPU
+    per_task = detect_launch({**SLURM, "SLURM_GPUS_PER_TASK": "1"})
+    assert gpu_index(per_task, 1, 1) == 0  # srun --gpus-per-task=1: its own one GPU
+    with pytest.raises(ValueError, match="3 ranks run on this node but 1 GPU.*--gpus-per-task"):
+        gpu_index(slurm, 1, 1)  # --gres=gpu:1: three tasks would share one GPU
     with pytest.raises(ValueError, match="3 ranks run on this node but 2 GPU\\(s\\) are visible"):
         gpu_index(slurm, 1, 2)
     torchrun = detect_launch(TORCHRUN)  # local rank 2, 3 per node
@@ -139,6 +142,7 @@ def test_one_gpu_per_task_binds_cuda0_on_every_local_rank() -> None:
 
     for local in range(3):
         env = {**SLURM, "SLURM_LOCALID": str(local), "SLURM_PROCID": str(3 + local)}
+        env["SLURM_GPUS_PER_TASK"] = "1"  # what srun --gpus-per-task=1 sets
         launch = detect_launch(env)
         assert launch.tasks_on_node == 3
         assert gpu_index(launch, local, 1) == 0
