@@ -4,8 +4,10 @@
 CPU offload, selective activation checkpointing and ``compile``; one step and grad-sync's
 ``clip_grad_norm`` (its norm reduced on the mesh's device while the shards live on the host);
 ``save_checkpoint`` / ``load_checkpoint`` with the device's RNG state (the compute device comes
-from the mesh, not from an offloaded shard); ``save_pretrained`` / ``load_pretrained`` on the
-sharded model. Each check raises on a wrong result; the last line says what ran.
+from the mesh, not from an offloaded shard); a background save (staging pinned at exact sizes);
+``replica_drift`` and ``global_count`` on the device's group; ``save_pretrained`` /
+``load_pretrained`` on the sharded model. Each check raises on a wrong result; the last line
+says what ran.
 
 Usage: ``DEVICE=cuda python benchmarks/device_paths.py`` (``DEVICE=cpu``: gloo, no compile by
 default; ``COMPILE=1`` compiles there too).
@@ -25,11 +27,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from distributed_strategy import (
+    async_save_checkpoint,
     clip_grad_norm,
+    global_count,
     init_distributed,
     load_checkpoint,
     load_pretrained,
     prepare_model,
+    replica_drift,
     save_checkpoint,
     save_pretrained,
 )
@@ -103,6 +108,18 @@ def main() -> None:
         assert torch.equal(_rng_state(device), saved_rng), "the device's RNG state came back"
         restored = _whole(model)
         assert all(torch.equal(weights[k], restored[k]) for k in weights)
+        staged = _whole(model)
+        pending = async_save_checkpoint(Path(folder, "async"), model, optimizer, step=2)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(1.0)  # training goes on while the background save writes
+        pending.wait()
+        load_checkpoint(Path(folder, "async"), model, optimizer)
+        assert all(torch.equal(staged[k], v) for k, v in _whole(model).items())
+        drift = replica_drift(model)
+        assert not drift.drifted, drift
+        mask = torch.ones(1001, dtype=torch.bfloat16, device=device)
+        assert int(global_count([mask, 3], model=model)) == 1004
         out = save_pretrained(model, Path(folder, "hf"))
         fresh = prepare_model(
             Regressor,
@@ -121,7 +138,8 @@ def main() -> None:
         f"device paths on {device} ({backend}): init_distributed, prepare_model(fsdp, "
         f"offload=cpu, selective checkpointing, compile={compile_blocks}) with host shards "
         f"({shard.to_local().device}), a step, clip norm {float(norm):.4f}, checkpoint with the "
-        f"{device.type} RNG state, save/load_pretrained on shards: ok in "
+        f"{device.type} RNG state, a background save, replica_drift, global_count, "
+        f"save/load_pretrained on shards: ok in "
         f"{time.perf_counter() - start:.1f} s\n"
     )
 
