@@ -374,3 +374,22 @@ dist.destroy_process_group()
     )
     assert "offloaded cpu cuda:3" in out
     assert "cpu cpu cpu cpu" in out
+
+
+def test_a_collective_on_nccl_takes_the_current_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device rule replica_drift and the counts rely on, run without CUDA: a backend
+    naming NCCL takes this rank's current GPU (host shards under offload are copied there:
+    an NCCL group refuses host tensors), gloo the host."""
+    import torch.distributed as dist
+
+    from dist_core import collective_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    for backend, expected in (
+        ("nccl", "cuda:2"),
+        ("cpu:gloo,cuda:NCCL", "cuda:2"),
+        ("gloo", "cpu"),
+    ):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        assert collective_device() == torch.device(expected), backend

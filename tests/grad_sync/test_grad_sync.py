@@ -266,6 +266,23 @@ def test_count_mean_refuses(loss: torch.Tensor, count: object, error: type, matc
         count_mean(loss, count, model=nn.Linear(2, 1))
 
 
+def test_count_mean_reads_global_count_without_a_host_sync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A count made by global_count is read from its record, not from the tensor (on CUDA
+    each .item() per micro-batch was a host sync)."""
+    from grad_sync import count_mean, global_count
+
+    model = nn.Linear(2, 1)
+    count = global_count([torch.tensor([1, 1, 0]), 2], model=model)
+
+    def synced(self: torch.Tensor) -> float:
+        raise AssertionError("count_mean synchronised with the device")
+
+    monkeypatch.setattr(torch.Tensor, "item", synced)
+    assert float(count_mean(torch.tensor(8.0), count, model=model)) == 2.0
+
+
 def test_low_precision_masks_count_exactly() -> None:
     """bf16 and fp16 masks are summed in float64: 1,001 bf16 ones are 1,001 (1,000 in bf16);
     70,000 fp16 ones are 70,000 (inf in fp16); a huge total is refused, not rounded."""
