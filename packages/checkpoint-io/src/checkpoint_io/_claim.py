@@ -50,7 +50,7 @@ class Settled:
 
 
 class SaveClaim:
-    """What the ranks of one save settle in DCP's planning (:class:`HashingWriter` asks).
+    """What the ranks of one save settle in DCP's planning (:class:`SafeWriter` asks).
 
     Args:
         target: The checkpoint directory.
