@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 from checkpoint_io._collective import agree, agreed
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._stateful import StatefulParts
+from checkpoint_io._storage.planners import Whole
 from dist_core import rank
 from safe_store import dumps
 
@@ -166,17 +167,6 @@ class ClaimPlanner(DefaultSavePlanner):
             return super().transform_object(write_item, object)
         value = object.value if isinstance(object, Whole) else object
         return io.BytesIO(dumps(value, what=f"the value {write_item.index.fqn!r}").encode())
-
-
-class Whole:
-    """A value DCP keeps as one entry (it would walk into a list of dicts, key by key).
-
-    Args:
-        value: The value (the optimizer's parameter groups).
-    """
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
 
 def share_of(plan: SavePlan) -> tuple[Report | None, Any]:

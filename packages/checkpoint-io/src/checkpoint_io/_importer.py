@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from checkpoint_io import _compat
-from checkpoint_io._claim import ClaimPlanner, SaveClaim, Whole
+from checkpoint_io._claim import ClaimPlanner, SaveClaim
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._rng import rng_tensors
 from checkpoint_io._save import seal
@@ -39,6 +39,7 @@ from checkpoint_io._storage.manifest import (
     rng_file,
     stateful_file,
 )
+from checkpoint_io._storage.planners import Whole
 from checkpoint_io._storage.writer import SafeWriter, write_tensors_file
 
 

@@ -12,10 +12,10 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from checkpoint_io._claim import Whole
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._model import parameter_names
 from checkpoint_io._storage.manifest import OPTIM
+from checkpoint_io._storage.planners import Whole
 from checkpoint_io._storage.tiling import saved_entries
 from dist_core import local_tensor, unwrap_model
 from safe_store import dumps

@@ -54,3 +54,14 @@ def refusal(error: BaseException) -> CheckpointError | None:
                 return found
     cause = error.__cause__ or error.__context__
     return refusal(cause) if cause is not None else None
+
+
+class Whole:
+    """A value DCP keeps as one entry (it would walk into a list of dicts, key by key).
+
+    Args:
+        value: The value (the optimizer's parameter groups).
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
