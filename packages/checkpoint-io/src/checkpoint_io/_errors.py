@@ -27,11 +27,6 @@ def open_regular(file: Path) -> BinaryIO:
     return dist_core.open_regular(file, error=CheckpointError, holder="a checkpoint")
 
 
-def read_regular(file: Path) -> bytes:
-    """The whole content of a checkpoint's file, opened by :func:`open_regular`."""
-    return dist_core.read_regular(file, error=CheckpointError, holder="a checkpoint")
-
-
 def inside(root: Path, name: str, *, source: str) -> Path:
     """``root / name``, refused unless it stays inside ``root``.
 

@@ -19,7 +19,6 @@ from checkpoint_io._compat import CheckpointException
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._model import (
     check_model_keys,
-    model_device,
     model_state,
     require_model_device,
     template,
@@ -44,7 +43,7 @@ from checkpoint_io._storage.manifest import (
 )
 from checkpoint_io._storage.planners import SafeLoadPlanner, refusal
 from checkpoint_io._storage.reader import SafeReader
-from dist_core import log_rank0, rank, strategy_of, world_size
+from dist_core import compute_device, log_rank0, rank, strategy_of, world_size
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +204,7 @@ def _prepare(
     return {
         "manifest": manifest,
         "target": target,
-        "rng": rng_restore(files, manifest, model_device(model)) if rng else None,
+        "rng": rng_restore(files, manifest, compute_device(model)) if rng else None,
         "stateful": stateful_plan,
         "metadata": metadata,
         "files": files,

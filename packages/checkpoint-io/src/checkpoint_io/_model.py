@@ -151,11 +151,6 @@ def model_class(model: nn.Module) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def model_device(model: nn.Module) -> torch.device:
-    """The device the model computes on (the mesh's under FSDP2, even with CPU offload)."""
-    return compute_device(model)
-
-
 def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The canonical full state dict as plain CPU tensors, under any strategy (collective).
 

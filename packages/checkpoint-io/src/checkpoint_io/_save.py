@@ -28,7 +28,6 @@ from checkpoint_io._compat import CheckpointException, dcp_failure
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._model import (
     model_class,
-    model_device,
     model_state,
     require_model_device,
     tied_names,
@@ -54,6 +53,7 @@ from checkpoint_io._storage.manifest import (
 from checkpoint_io._storage.writer import SafeWriter, write_tensors_file
 from dist_core import (
     bound_device,
+    compute_device,
     log_rank0,
     on_device,
     rank,
@@ -146,7 +146,7 @@ def _write(
         state, parts = collect_state(model, optimizer, stateful)
         claim.manifest = new_manifest(model, optimizer, step, extra, parts, rng)
         claim.parts = parts
-        device = model_device(model)
+        device = compute_device(model)
         rng_state = capture_rng_state(device) if rng else None
     except Exception as error:
         claim.failure, state = error, {}

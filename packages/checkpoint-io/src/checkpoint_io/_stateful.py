@@ -114,7 +114,7 @@ def encode_states(
         digest = hashlib.sha256(texts[name].encode())
         for tensor in own:
             digest.update(str((tensor.dtype, tuple(tensor.shape))).encode())
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
         digests[name] = digest.hexdigest()[:32]
         tensors += own
     # [[name, state], ...]: a list, so that no name is read as one of the codec's tags

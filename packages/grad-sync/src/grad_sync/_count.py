@@ -22,7 +22,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from dist_core import all_reduce_agreed, fsdp_modules, mesh_device, strategy_of, unwrap_compiled
+from dist_core import (
+    all_reduce_agreed,
+    collective_device,
+    fsdp_modules,
+    mesh_device,
+    strategy_of,
+    unwrap_compiled,
+)
 
 __all__ = ["count_mean", "data_parallel_size", "global_count"]
 
@@ -246,8 +253,7 @@ def _reduction(model: nn.Module) -> tuple[list[dist.ProcessGroup | None] | None,
     if strategy == "ddp":
         ddp = unwrap_compiled(model)
         group = getattr(ddp, "process_group", None)
-        device = next((p.device for p in ddp.parameters()), torch.device("cpu"))
-        return [group], _backend_device(group, device)
+        return [group], collective_device(group)
     if strategy in ("fsdp", "hsdp") and fsdp_modules(model):
         mesh = _mesh(model)
         if mesh is None:
@@ -264,11 +270,3 @@ def _mesh(model: nn.Module) -> DeviceMesh | None:
         if isinstance(param, DTensor):
             return param.device_mesh
     return None
-
-
-def _backend_device(group: dist.ProcessGroup | None, device: torch.device) -> torch.device:
-    """The parameters' device where the group's backend needs it (NCCL), else the host."""
-    backend = dist.get_backend(group)
-    if device.type != "cpu" and "gloo" not in str(backend):
-        return device
-    return torch.device("cpu")

@@ -24,10 +24,9 @@ from checkpoint_io._collective import (
 )
 from checkpoint_io._compat import CheckpointException, async_save_staged, dcp_failure
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._model import model_device
 from checkpoint_io._save import collect_state, new_manifest, publishing_writer
 from checkpoint_io._storage.manifest import PathLike
-from dist_core import is_distributed, log_rank0, rank, world_size
+from dist_core import compute_device, is_distributed, log_rank0, rank, world_size
 from rng_fork import capture_rng_state
 
 logger = logging.getLogger(__name__)
@@ -100,7 +99,7 @@ def start_async_save(
     try:  # collected and staged, then agreed: a failure on any rank raises everywhere
         state, parts = collect_state(model, optimizer, stateful)
         state, layout = replicated_share(state, rank(), world_size())
-        rng_state = capture_rng_state(model_device(model)) if rng else None
+        rng_state = capture_rng_state(compute_device(model)) if rng else None
         state = stage(state)  # host copies, off the tensors training will change
     except Exception as error:
         failure = error
@@ -111,7 +110,7 @@ def start_async_save(
         SaveClaim(target, overwrite, manifest=manifest, partial=partial),
         rng_state,
         parts,
-        device=model_device(model),
+        device=compute_device(model),
     )
     quiet_single_process_notice_in_background()
     with single_process_quiet():

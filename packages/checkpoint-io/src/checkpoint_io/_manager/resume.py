@@ -38,7 +38,8 @@ def resume_latest(
     for path in from_rank0(candidates):
         try:  # collective: every rank gets the same outcome
             info = load_checkpoint(path, model, optimizer, stateful=stateful)
-            step = _resume_step(info.step, path)
+            # the manifest's step is an int >= 0 or null (checked when it was read)
+            step = info.step if info.step is not None else int(path.name.split("-")[-1])
         except CheckpointError as error:
             log_rank0(
                 logger,
@@ -52,19 +53,3 @@ def resume_latest(
         return step
     log_rank0(logger, logging.INFO, "no checkpoint under %s: starting at step 0", root)
     return 0
-
-
-def _resume_step(saved: object, path: Path) -> int:
-    """The step to resume at: the manifest's, which must be a non-negative int.
-
-    Raises:
-        CheckpointError: A step of another type or a negative one (a malformed manifest).
-    """
-    if saved is None:
-        return int(path.name.split("-")[-1])  # canonical step-<N> names only (_latest)
-    if isinstance(saved, bool) or not isinstance(saved, int) or saved < 0:
-        raise CheckpointError(
-            f"{path}'s manifest gives the step as {saved!r}; a step is an int >= 0 "
-            "(a malformed checkpoint)"
-        )
-    return saved

@@ -16,9 +16,6 @@ from checkpoint_io._storage.manifest import STEP_DIR, STEP_PREFIX, saved_sequenc
 logger = logging.getLogger(__name__)
 
 
-_STEP = STEP_DIR
-
-
 _PARTIAL = re.compile(rf"^\.{STEP_PREFIX}\d+\.(partial|old)-[0-9a-f]+$")
 
 
@@ -51,7 +48,7 @@ def step_checkpoints(root: Path) -> list[tuple[int, Path]]:
         return []
     found = []
     for child in root.iterdir():
-        match = _STEP.fullmatch(child.name)
+        match = STEP_DIR.fullmatch(child.name)
         if match and child.is_dir():
             found.append((int(match.group(1)), child))
     return sorted(found)

@@ -69,12 +69,14 @@ class CheckpointFiles:
         """
         stream, size = self._open(name)
         with stream:
-            data = _take(stream, _Buffer(size), size, self.root / name)
+            data = stream.read(size)
+        if len(data) != size:
+            _short(self.root / name, len(data), size)
         if self.verify:
             digest = Digest(self.table[name])
             digest.update(data)
             _check(self.root, name, digest.found(), digest.expected)
-        return bytes(data)
+        return data
 
     def read_records(
         self, name: str, spans: list[Span], each: Callable[[int, memoryview], None]
