@@ -110,8 +110,14 @@ def torch_wrapped(rank: int, world: int, tmp: str, kind: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
 
-    from checkpoint_io import full_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     from hf_io import load_pretrained, save_pretrained
+
+    def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+        # torch's own gather (hf-io does not depend on checkpoint-io)
+        state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().clone() for k, v in state.items()}
 
     torch.manual_seed(100 + rank)  # every rank starts from other values: the file decides
     model = TiedNet()
