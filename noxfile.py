@@ -152,7 +152,9 @@ def tests(session: nox.Session, package: str) -> None:
     _install(session, dist, "test")
     if dist == "checkpoint-io":  # torchdata asks for an unpinned torch: --no-deps
         session.install("--no-deps", *nox.project.dependency_groups(PYPROJECT, "test-torchdata"))
-    if package == "distributed-strategy":  # transformers' models and its from_pretrained
+    # distributed-strategy: transformers' models and its from_pretrained; strategy-bench:
+    # --hf-config (its "hf" extra)
+    if package in ("distributed-strategy", "strategy-bench"):
         session.install(*nox.project.dependency_groups(PYPROJECT, "test-transformers"))
     parallel: list[str] = []
     # Mostly processes starting and waiting (ranks, torchrun agents, SLURM jobs): two test

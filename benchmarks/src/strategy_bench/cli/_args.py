@@ -15,14 +15,17 @@ from strategy_bench.workload import (
     ACCUM_SYNC,
     CHECKPOINT_MODES,
     CPU_DEFAULT_MODELS,
+    DEFAULT_HF_SEQ_LEN,
     ESTIMATE_DEFAULT_MODELS,
     GPU_DEFAULT_MODELS,
+    HF_EXTRA,
     OFFLOAD_MODES,
     PRESETS,
     WorkloadSpec,
     check_workload,
     load_callable,
     parse_init_params,
+    require_transformers,
 )
 
 logger = logging.getLogger(__name__)
@@ -136,6 +139,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, default_models: s
         choices=("fp32", "bf16"),
         default="fp32",
         help="bf16: autocast compute, fp32 master weights",
+    )
+    parser.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="PATH",
+        help="a Hugging Face model's config.json (or its directory): the causal LM "
+        "transformers builds from it, random weights, --seq-len token ids per sample (default "
+        f"{DEFAULT_HF_SEQ_LEN}); needs transformers ({HF_EXTRA})",
     )
     parser.add_argument(
         "--model-factory",
@@ -276,6 +287,18 @@ def workload_specs(args: argparse.Namespace, device: str) -> list[WorkloadSpec]:
         raise BenchUsageError(f"--model-factory and --input-factory go together; add {missing}")
     if (args.init_params or args.trainable) and not args.model_factory:
         raise BenchUsageError("--init-params and --trainable need --model-factory")
+    hf_config = getattr(args, "hf_config", None)
+    if hf_config is not None:
+        if args.model_factory or args.input_factory or args.init_params or args.trainable:
+            raise BenchUsageError(
+                "--hf-config builds the model and its input; drop --model-factory, "
+                "--input-factory, --init-params and --trainable (or drop --hf-config)"
+            )
+        if args.tokens_per_sample is not None:
+            raise BenchUsageError(
+                f"--tokens-per-sample {args.tokens_per_sample}: --hf-config's samples are "
+                "--seq-len tokens; set --seq-len instead"
+            )
     if args.model_factory and args.seq_len is not None:
         raise BenchUsageError(
             f"--seq-len {args.seq_len} sets a preset's sequence length, and --model-factory's "
@@ -291,6 +314,11 @@ def workload_specs(args: argparse.Namespace, device: str) -> list[WorkloadSpec]:
     if tokens is not None and tokens < 1:
         raise BenchUsageError(f"--tokens-per-sample must be >= 1, got {tokens}")
     specs: list[WorkloadSpec] = []
+    if hf_config is not None:
+        require_transformers()
+        spec = WorkloadSpec(hf_config=str(hf_config), seq_len=args.seq_len)
+        check_workload(spec.build(), args.batch_size)
+        specs.append(spec)
     if args.model_factory:
         load_callable(args.model_factory, argument="--model-factory")
         load_callable(args.input_factory, argument="--input-factory")

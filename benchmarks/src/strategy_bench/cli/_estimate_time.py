@@ -20,6 +20,7 @@ from strategy_bench.estimate import (
     accumulation_points,
     annotate_fits,
     calibrated_model,
+    check_train_tokens,
     datasheet_model,
     run_estimate,
 )
@@ -28,7 +29,7 @@ from strategy_bench.workload import WorkloadSpec
 
 
 def add_time_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--calibrate``, ``--assumed-mfu``, ``--inter-node-gbps``."""
+    """The time model's and the training cost's arguments (``--calibrate`` and the rest)."""
     parser.add_argument(
         "--calibrate",
         type=Path,
@@ -53,6 +54,22 @@ def add_time_arguments(parser: argparse.ArgumentParser) -> None:
         "docs/benchmarks.md)",
     )
     parser.add_argument(
+        "--train-tokens",
+        type=float,
+        default=None,
+        metavar="N",
+        help="tokens to train on (1e12 is one trillion): each row gets the days and GPU-hours "
+        "at its predicted rate, and the recommendation names the fastest and the cheapest run "
+        "that fits (needs --gpu or --calibrate)",
+    )
+    parser.add_argument(
+        "--gpu-hour-price",
+        type=float,
+        default=None,
+        metavar="P",
+        help="with --train-tokens: the price of one GPU for one hour; each row gets the cost",
+    )
+    parser.add_argument(
         "--inter-node-gbps",
         type=float,
         default=None,
@@ -66,11 +83,20 @@ def time_model(args: argparse.Namespace, device: DeviceMemory | None) -> TimeMod
     """The time model the arguments ask for: calibrated, from the datasheet, or none.
 
     Raises:
-        BenchUsageError: A bad ``--inter-node-gbps`` or ``--assumed-mfu``, or calibration
-            results without what the model needs.
+        BenchUsageError: A bad ``--inter-node-gbps``, ``--assumed-mfu``, ``--train-tokens``
+            or ``--gpu-hour-price``, or calibration results without what the model needs.
     """
     if args.inter_node_gbps is not None and not args.inter_node_gbps > 0:
         raise BenchUsageError(f"--inter-node-gbps must be positive, got {args.inter_node_gbps:g}")
+    try:
+        check_train_tokens(args.train_tokens, args.gpu_hour_price)
+    except ValueError as error:
+        raise BenchUsageError(str(error)) from None
+    if args.train_tokens is not None and not args.calibrate and not args.gpu:
+        raise BenchUsageError(
+            f"--train-tokens {args.train_tokens:g} needs a predicted rate: give --gpu NAME "
+            "(datasheet) or --calibrate RESULTS.json"
+        )
     if args.calibrate:
         return calibrated_model(
             [read_or_usage_error(path) for path in args.calibrate],

@@ -46,13 +46,17 @@ from strategy_bench.estimate import (
     scale_start,
     spawn_pool,
     step_errors,
+    training_cost,
+    training_plan,
 )
 from strategy_bench.estimate import SCHEMA as ESTIMATE_SCHEMA
 from strategy_bench.measure import STRATEGIES, fake_flops_per_sample
 from strategy_bench.report import (
     agreement_table,
+    cost_table,
     estimate_table,
     largest_table,
+    plan_lines,
     recommendation_table,
     write_estimate_report,
 )
@@ -63,7 +67,7 @@ from strategy_bench.results import (
     require_out_dir,
     write_json_atomic,
 )
-from strategy_bench.workload import WorkloadSpec
+from strategy_bench.workload import HF_SCALE_PARAM, WorkloadSpec
 
 logger = logging.getLogger(__name__)
 
@@ -169,12 +173,8 @@ def command(args: argparse.Namespace) -> int:
         spec.build().meta_model()  # fails here, as one line, if it cannot be built on meta
     scale_param = args.scale_param
     if args.largest:
-        if scale_param is None and any(spec.preset is None for spec in specs):
-            raise BenchUsageError(
-                "--largest with --model-factory needs --scale-param NAME (an integer init "
-                "parameter of the factory)"
-            )
-        scale_param = scale_param or PRESET_SCALE_PARAM
+        if scale_param is None:
+            scale_param = _default_scale_param(specs)
         for spec in specs:
             scale_start(spec, scale_param)  # an unknown parameter fails here, as one line
     if args.gpus_per_node < 1:
@@ -249,8 +249,13 @@ def command(args: argparse.Namespace) -> int:
     env["peak_rss_bytes"] = peak_rss_bytes(jobs)
     env["device_memory"] = None if device is None else device.to_json()
     env["time_model"] = None if timing is None else timing.to_json()
+    plans: list[dict[str, Any]] = []
     if timing is not None:
         chosen = recommendations(rows)
+        if args.train_tokens is not None:
+            for item in [*ok_rows(rows), *chosen]:
+                item.update(training_cost(item, args.train_tokens, args.gpu_hour_price))
+            plans = training_plan(chosen)
     checked = agreement(rows, measured)
     payload: dict[str, Any] = {
         "schema": ESTIMATE_SCHEMA,
@@ -260,6 +265,12 @@ def command(args: argparse.Namespace) -> int:
         "step_agreement": step_errors(checked),
         "recommendation": chosen,
     }
+    if args.train_tokens is not None:
+        payload["training"] = {
+            "train_tokens": args.train_tokens,
+            "gpu_hour_price": args.gpu_hour_price,
+            "plan": plans,
+        }
     if args.largest:
         payload["largest"] = largest
     write_json_atomic(out / "estimate.json", payload)
@@ -285,6 +296,13 @@ def command(args: argparse.Namespace) -> int:
             "\nrecommended (predicted step time, fastest that fits):\n"
             + recommendation_table(chosen)
         )
+    if args.train_tokens is not None and chosen:
+        print(
+            f"\ntraining {args.train_tokens:.3g} tokens (predicted rate, fastest point that fits "
+            "per strategy):\n" + cost_table(rows, args.train_tokens)
+        )
+        if plans:
+            print(plan_lines(plans, args.train_tokens))
     elif timing is None:
         print("no step time predicted: give --gpu NAME (datasheet) or --calibrate RESULTS.json")
     if args.compare is not None:
@@ -317,6 +335,24 @@ def command(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _default_scale_param(specs: Sequence[WorkloadSpec]) -> str:
+    """What ``--largest`` scales without ``--scale-param``: a preset's or a config's depth."""
+    kinds = {"preset" if spec.preset else "hf" if spec.hf_config else "user" for spec in specs}
+    if "user" in kinds:
+        raise BenchUsageError(
+            "--largest with --model-factory needs --scale-param NAME (an integer init "
+            "parameter of the factory)"
+        )
+    if kinds == {"hf"}:
+        return HF_SCALE_PARAM
+    if kinds == {"preset"}:
+        return PRESET_SCALE_PARAM
+    raise BenchUsageError(
+        f"--largest over presets and --hf-config scales {PRESET_SCALE_PARAM!r} in one and "
+        f"{HF_SCALE_PARAM!r} in the other; estimate them in two runs"
+    )
 
 
 def _find_largest(

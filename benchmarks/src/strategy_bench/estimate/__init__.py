@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from strategy_bench.estimate._agreement import AGREEMENT, agreement, step_errors
 from strategy_bench.estimate._choice import ACCUMULATION_STEPS, accumulation_points, recommendations
+from strategy_bench.estimate._cost import (
+    COST_FIELDS,
+    check_train_tokens,
+    training_cost,
+    training_plan,
+)
 from strategy_bench.estimate._estimate import (
     SCHEMA,
     estimate_environment,
@@ -40,6 +46,7 @@ __all__ = [
     "ACCUMULATION_STEPS",
     "AGREEMENT",
     "BUCKET_CAPS_MB",
+    "COST_FIELDS",
     "DATASHEET_MEMORY_GIB",
     "DATASHEET_MFU",
     "DEFAULT_ASSUMED_MFU",
@@ -58,6 +65,7 @@ __all__ = [
     "annotate_fits",
     "annotate_time",
     "calibrated_model",
+    "check_train_tokens",
     "datasheet_model",
     "device_memory",
     "estimate_environment",
@@ -71,4 +79,6 @@ __all__ = [
     "scale_start",
     "spawn_pool",
     "step_errors",
+    "training_cost",
+    "training_plan",
 ]

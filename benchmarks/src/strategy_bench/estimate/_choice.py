@@ -91,6 +91,7 @@ def recommendations(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             "world_size": world,
             "batch_size": mine[0].get("batch_size"),
             "dtype": mine[0].get("dtype"),
+            "tokens_per_sample": mine[0].get("tokens_per_sample"),
             "candidates": len(choices),
         }
         if not choices:

@@ -9,8 +9,10 @@ from strategy_bench.report._recommend import budgeted, recommend, yaml_section
 from strategy_bench.report._report import ONE_RANK_NOTE, verdict, write_report
 from strategy_bench.report._table import (
     agreement_table,
+    cost_table,
     estimate_table,
     largest_table,
+    plan_lines,
     recommendation_table,
     summary_table,
 )
@@ -19,8 +21,10 @@ __all__ = [
     "ONE_RANK_NOTE",
     "agreement_table",
     "budgeted",
+    "cost_table",
     "estimate_table",
     "largest_table",
+    "plan_lines",
     "plot_estimate",
     "plot_largest",
     "plot_runs",

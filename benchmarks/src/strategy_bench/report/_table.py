@@ -271,3 +271,64 @@ def largest_table(entries: Sequence[Mapping[str, Any]]) -> str:
             )
         )
     return _render(lines)
+
+
+def cost_table(
+    rows: Sequence[Mapping[str, Any]], train_tokens: float, *, markdown: bool = False
+) -> str:
+    """Per model, world size and strategy: what training ``train_tokens`` takes.
+
+    The fastest point of each strategy that fits, at its predicted rate: tokens/s per GPU,
+    days, GPU-hours and cost.
+    """
+    best: dict[tuple[str, int, str], Mapping[str, Any]] = {}
+    for row in ok_rows(rows):
+        if not row.get("train_days") or not row.get("fits", True):
+            continue
+        key = (str(row["model"]), int(row["world_size"]), str(row["strategy"]))
+        if key not in best or row["train_days"] < best[key]["train_days"]:
+            best[key] = row
+    header = ("model", "ranks", "strategy", "tokens/s per GPU", "days", "GPU-hours", "cost")
+    lines: list[tuple[str, ...]] = [header]
+    for (model, world, _), row in sorted(best.items(), key=lambda item: item[0][:2]):
+        cost = row.get("train_cost")
+        lines.append(
+            (
+                model,
+                str(world),
+                choice_text(row),
+                f"{row['train_tokens_per_s'] / world:,.0f}",
+                _amount(row["train_days"]),
+                _amount(row["train_gpu_hours"]),
+                "-" if cost is None else _amount(cost),
+            )
+        )
+    if len(lines) == 1:
+        return f"no point that fits has a predicted rate to train {train_tokens:.3g} tokens at"
+    return _markdown(lines) if markdown else _render(lines)
+
+
+def plan_lines(plans: Sequence[Mapping[str, Any]], train_tokens: float) -> str:
+    """``fastest that fits`` and ``cheapest that fits`` per model, one line each."""
+    out = []
+    for plan in plans:
+        fastest, cheapest = plan["fastest"], plan["cheapest"]
+        head = f"{plan['model']}, {train_tokens:.3g} tokens:"
+        out.append(f"{head} fastest that fits: {_costed(fastest)}")
+        if cheapest is not fastest:
+            out.append(f"{head} cheapest that fits: {_costed(cheapest)}")
+    return "\n".join(out)
+
+
+def _costed(entry: Mapping[str, Any]) -> str:
+    cost = entry.get("train_cost")
+    return (
+        f"{choice_text(entry)} on {entry['world_size']} GPUs, {_amount(entry['train_days'])} "
+        f"days, {_amount(entry['train_gpu_hours'])} GPU-hours"
+        + ("" if cost is None else f", cost {_amount(cost)}")
+    )
+
+
+def _amount(value: float) -> str:
+    """Three significant figures below 100, whole numbers with separators above."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"

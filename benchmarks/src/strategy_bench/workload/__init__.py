@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 from distributed_strategy import CHECKPOINT_MODES, OFFLOAD_MODES, selective_kept
+from strategy_bench.workload._hf import (
+    DEFAULT_HF_SEQ_LEN,
+    HF_EXTRA,
+    HF_SCALE_PARAM,
+    causal_lm,
+    hf_workload,
+    require_transformers,
+)
 from strategy_bench.workload._knobs import (
     ACCUM_SYNC,
     checkpoint_mode,
@@ -45,14 +53,18 @@ __all__ = [
     "ACCUM_SYNC",
     "CHECKPOINT_MODES",
     "CPU_DEFAULT_MODELS",
+    "DEFAULT_HF_SEQ_LEN",
     "ESTIMATE_DEFAULT_MODELS",
     "GPU_DEFAULT_MODELS",
+    "HF_EXTRA",
+    "HF_SCALE_PARAM",
     "OFFLOAD_MODES",
     "PRESETS",
     "BenchTransformer",
     "Preset",
     "Workload",
     "WorkloadSpec",
+    "causal_lm",
     "check_workload",
     "checkpoint_mode",
     "compile_backend",
@@ -60,6 +72,7 @@ __all__ = [
     "compute_dtype",
     "ddp_wrap_knobs",
     "fsdp_wrap_knobs",
+    "hf_workload",
     "knob_key",
     "load_callable",
     "micro_steps",
@@ -70,6 +83,7 @@ __all__ = [
     "prepare_blocks",
     "preset_workload",
     "recipe_for",
+    "require_transformers",
     "selective_kept",
     "step_knobs",
     "syncs_every_micro_step",

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
+from strategy_bench.workload._hf import hf_workload
 from strategy_bench.workload._workload import Workload, preset_workload, user_workload
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkloadSpec:
-    """A preset name, or the user's factories as ``package.module:callable`` strings."""
+    """A preset name, a Hugging Face ``config.json``, or the user's factories as strings."""
 
     preset: str | None = None
+    hf_config: str | None = None
     seq_len: int | None = None
     model_factory: str | None = None
     init_params: str | None = None
@@ -24,6 +26,8 @@ class WorkloadSpec:
         """The workload this spec names, with ``scale``'s init parameter set if given."""
         if self.preset is not None:
             workload = preset_workload(self.preset, seq_len=self.seq_len)
+        elif self.hf_config is not None:
+            workload = hf_workload(self.hf_config, self.seq_len)
         else:
             assert self.model_factory is not None and self.input_factory is not None
             workload = user_workload(
