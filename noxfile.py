@@ -8,6 +8,7 @@ Sessions:
     build       a wheel and an sdist per package, metadata checked with twine.
     docs        MkDocs in strict mode, API pages from docstrings.
     bench       the DDP vs FSDP benchmark (CPU/gloo here, CUDA/NCCL on a GPU host).
+    estimate    the planner: peak, fit, tokens/s, days and GPU-hours from a model's config.
     microbench  the pytest-benchmark suite: each hot path beside its raw-torch baseline.
 
 torch always comes from one requirement, ``torch==2.13.0`` unless the environment variable
@@ -216,6 +217,44 @@ def bench(session: nox.Session) -> None:
     if not any(a == "--out" or a.startswith("--out=") for a in args) and args[0] != "plot":
         args = [*args, "--out", str(ROOT / "bench-results" / time.strftime("%Y%m%d-%H%M%S"))]
     session.run("strategy-bench", *args)
+
+
+PLANNER_EXAMPLE = (
+    "--hf-config",
+    "docs/examples/hf/llama-3-8b",
+    "--seq-len",
+    "8192",
+    "--batch-size",
+    "1",
+    "--param-dtype",
+    "bf16",
+    "--activation-checkpointing",
+    "--world-size",
+    "64",
+    "128",
+    "--gpu",
+    "H100",
+    "--train-tokens",
+    "1e12",
+    "--gpu-hour-price",
+    "2.5",
+)
+"""The README's first command: Llama 3 8B's published shape on 64 and 128 H100s, 1T tokens."""
+
+
+@nox.session
+def estimate(session: nox.Session) -> None:
+    """The planner on this machine (no GPU): ``strategy-bench estimate`` with its ``hf`` extra.
+
+    Posargs replace the README's example (``nox -s estimate -- --hf-config PATH ...``).
+    """
+    _install(session, "strategy-bench")
+    bench_meta = nox.project.load_toml(ROOT / "benchmarks" / "pyproject.toml")["project"]
+    session.install(*bench_meta["optional-dependencies"]["hf"])
+    args = list(session.posargs or PLANNER_EXAMPLE)
+    if not any(a == "--out" or a.startswith("--out=") for a in args):
+        args += ["--out", str(ROOT / "bench-results" / "estimate"), "--overwrite"]
+    session.run("strategy-bench", "estimate", *args)
 
 
 @nox.session

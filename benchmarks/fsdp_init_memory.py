@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from distributed_strategy import MemoryPeak, prepare_model
+from dist_core import MemoryPeak
+from distributed_strategy import prepare_model
 from strategy_bench.estimate import ModelSizes, init_peaks
 
 CPU_SLACK_BYTES = 128 * 2**20

@@ -4,9 +4,13 @@ Each run is rebuilt exactly (``docs/examples/published_models.py``: the publishe
 count) and estimated at its published world size with ``--gpu`` and the estimator's defaults
 (the GPU's published MFU, NVLink in a node, 400 Gb/s per GPU across nodes), its recipe given
 as the run trained (dtype, mixed precision, checkpointing, micro-batch, accumulation). Writes
-``published.json`` and ``README.md`` (the side-by-side, each run's source) to ``--out``::
+``published.json``, ``published.png`` (predicted against published) and ``README.md`` (the
+side-by-side, each run's source) to ``--out``::
 
     python benchmarks/published_runs.py --out docs/results/estimate-published
+
+``--plot-only`` redraws ``published.png`` from the ``published.json`` already in ``--out``,
+without estimating.
 
 Needs strategy-bench installed (``nox -s bench`` builds it); runs on CPU in a few minutes.
 """
@@ -25,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from strategy_bench.report import plot_published
 
 logger = logging.getLogger("published_runs")
 
@@ -265,6 +271,8 @@ def write_readme(
         "",
         f"Estimated in {seconds:.0f} s on this project's 2-core CPU machine.",
         "",
+        "![Predicted against published tokens/s per GPU, the band within 15%](published.png)",
+        "",
         "| run | GPU | GPUs | recipe | published tok/s/GPU | predicted | ratio | predicted MFU "
         "| exposed comm ms | peak GiB | fits |",
         "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
@@ -313,14 +321,23 @@ def write_readme(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Estimate every published run and write the side-by-side."""
+    """Estimate every published run and write the side-by-side and its plot (or only the plot)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--out", type=Path, default=ROOT / "docs" / "results" / "estimate-published"
     )
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument(
+        "--plot-only",
+        action="store_true",
+        help="redraw published.png from --out's published.json, without estimating",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[published] %(message)s")
+    if args.plot_only:
+        payload = json.loads((args.out / "published.json").read_text())
+        logger.info("plot: %s", plot_published(payload["entries"], args.out / "published.png"))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     begin = time.monotonic()
     entries: list[dict[str, Any]] = []
@@ -336,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "published.json").write_text(
         json.dumps({"entries": entries, "checks": checks, "seconds": seconds}, indent=1) + "\n"
     )
+    plot_published(entries, args.out / "published.png")
     write_readme(args.out, entries, checks, seconds)
     logger.info("%s", json.dumps(checks))
     return 0

@@ -107,10 +107,9 @@ class TiedNet(nn.Module):
 
 def torch_wrapped(rank: int, world: int, tmp: str, kind: str) -> None:
     """torch's own ``fully_shard`` or ``DistributedDataParallel``: load, step, save, compare."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
-
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from hf_io import load_pretrained, save_pretrained
 

@@ -64,7 +64,9 @@ def sharded_memory(rank: int, world_size: int, params: dict[str, int]) -> dict[s
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from distributed_strategy import MemoryPeak, model_fingerprint, state_fingerprint
+    from dist_core import MemoryPeak
+    from distributed_strategy import state_fingerprint
+    from replica_init import model_fingerprint
     from toy_models import WideNet
 
     with MemoryPeak(interval=0.001) as host:

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
-from distributed_strategy import apply_block_recipe, prepare_model, recipe_blocks
+from distributed_strategy import apply_block_recipe, prepare_model
+from distributed_strategy.recipe import recipe_blocks
 from toy_models import Block, Regressor, RunnerNet
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -189,3 +191,21 @@ def test_without_transformers_the_flag_names_the_extra(
     assert exit_code(args) == 2
     err = capsys.readouterr().err.strip()
     assert "pip install 'strategy-bench[hf]'" in err and len(err.splitlines()) == 1, err
+
+
+def test_the_readmes_first_command_prints_the_readmes_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a new user copies from the README's first screen prints the table shown there."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    command = re.search(r"nox -s estimate -- ((?:[^\n]*\\\n)*[^\n]*)\n", readme)
+    assert command is not None
+    args = shlex.split(command.group(1).replace("\\\n", " "))
+    shown = re.search(r"```text\n(training .*?)```", readme, re.S)
+    assert shown is not None
+    root = Path(__file__).resolve().parents[2]
+    args = [str(root / arg) if arg.startswith("docs/") else arg for arg in args]
+    assert main(["estimate", *args, "--out", str(tmp_path / "out")]) == 0
+    printed = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
+    for line in shown.group(1).strip().splitlines():
+        assert line.rstrip() in printed, line

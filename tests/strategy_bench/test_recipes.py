@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from bench_cli import QUICK, USER_MODEL, bench
+from bench_cli import QUICK, USER_MODEL, assert_png, bench
 from strategy_bench import main
 from strategy_bench.estimate import (
     DATASHEET_MFU,
@@ -20,6 +20,7 @@ from strategy_bench.estimate import (
 from strategy_bench.estimate._estimate import estimate_point
 from strategy_bench.estimate._points import EstimateOptions, EstimatePoint
 from strategy_bench.measure import PROBE_KINDS, bus_factor
+from strategy_bench.report import plot_published
 from strategy_bench.workload import WorkloadSpec
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -288,6 +289,14 @@ def test_the_committed_side_by_side_holds_the_published_record() -> None:
     checks = payload["checks"]
     assert checks["median_abs_error"] <= 0.15 and checks["mpt13b_spread"] <= 0.05
     assert checks["mpt13b_fsdp_behind_hsdp_max"] <= 0.15
+
+
+def test_the_published_side_by_side_plots(tmp_path: Path) -> None:
+    """The committed published.json draws as published.png (published_runs.py --plot-only),
+    and the committed README links that plot."""
+    entries = json.loads(PUBLISHED.read_text())["entries"]
+    assert_png(plot_published(entries, tmp_path / "published.png"))
+    assert "](published.png)" in (PUBLISHED.parent / "README.md").read_text()
 
 
 @pytest.mark.multiprocess

@@ -8,8 +8,6 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
-from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +22,13 @@ from strategy_bench.cli._args import (
     recipe_knobs,
     workload_specs,
 )
+from strategy_bench.cli._estimate_largest import default_scale_param, find_largest
 from strategy_bench.cli._estimate_time import accumulated_rows, add_time_arguments, time_model
 from strategy_bench.estimate import (
     AGREEMENT,
     DATASHEET_MEMORY_GIB,
     DEFAULT_GPUS_PER_NODE,
     DEFAULT_WORLD_SIZES,
-    PRESET_SCALE_PARAM,
-    DeviceMemory,
     EstimateOptions,
     agreement,
     annotate_fits,
@@ -39,7 +36,6 @@ from strategy_bench.estimate import (
     device_memory,
     estimate_environment,
     estimate_points,
-    largest_lines,
     peak_rss_bytes,
     recommendations,
     run_estimate,
@@ -67,7 +63,6 @@ from strategy_bench.results import (
     require_out_dir,
     write_json_atomic,
 )
-from strategy_bench.workload import HF_SCALE_PARAM, WorkloadSpec
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +169,7 @@ def command(args: argparse.Namespace) -> int:
     scale_param = args.scale_param
     if args.largest:
         if scale_param is None:
-            scale_param = _default_scale_param(specs)
+            scale_param = default_scale_param(specs)
         for spec in specs:
             scale_start(spec, scale_param)  # an unknown parameter fails here, as one line
     if args.gpus_per_node < 1:
@@ -241,7 +236,7 @@ def command(args: argparse.Namespace) -> int:
         largest: list[dict[str, Any]] = []
         if args.largest:
             assert device is not None and scale_param is not None
-            largest = _find_largest(
+            largest = find_largest(
                 args, specs, base, scale_param, worlds, options, device, jobs, pool, recipe
             )
     env = estimate_environment(options, jobs)
@@ -335,69 +330,3 @@ def command(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
-
-
-def _default_scale_param(specs: Sequence[WorkloadSpec]) -> str:
-    """What ``--largest`` scales without ``--scale-param``: a preset's or a config's depth."""
-    kinds = {"preset" if spec.preset else "hf" if spec.hf_config else "user" for spec in specs}
-    if "user" in kinds:
-        raise BenchUsageError(
-            "--largest with --model-factory needs --scale-param NAME (an integer init "
-            "parameter of the factory)"
-        )
-    if kinds == {"hf"}:
-        return HF_SCALE_PARAM
-    if kinds == {"preset"}:
-        return PRESET_SCALE_PARAM
-    raise BenchUsageError(
-        f"--largest over presets and --hf-config scales {PRESET_SCALE_PARAM!r} in one and "
-        f"{HF_SCALE_PARAM!r} in the other; estimate them in two runs"
-    )
-
-
-def _find_largest(
-    args: argparse.Namespace,
-    specs: Sequence[WorkloadSpec],
-    rows: Sequence[dict[str, Any]],
-    scale_param: str,
-    worlds: Sequence[int],
-    options: EstimateOptions,
-    device: DeviceMemory,
-    jobs: int,
-    pool: Executor | None = None,
-    recipe: dict[str, Any] | None = None,
-) -> list[dict[str, Any]]:
-    """``--largest``: every family's largest model per strategy and world size."""
-    sys.stderr.write(
-        f"strategy-bench: --largest: bisecting {scale_param} on fake steps, "
-        f"{device.usable_bytes / 2**30:.1f} GiB usable per rank\n"
-    )
-    entries: list[dict[str, Any]] = []
-
-    def progress(entry: dict[str, Any]) -> None:
-        what = f"{entry['strategy']} {entry['model']} {knob_text(entry['knobs'], ' ')}".strip()
-        logger.info(
-            "largest: %s, %d ranks: %s=%s (%d probes)",
-            what,
-            entry["world_size"],
-            scale_param,
-            entry["scale_value"],
-            entry["probes"],
-        )
-
-    for spec in specs:
-        name = spec.build().name
-        entries += largest_lines(
-            spec,
-            scale_param,
-            worlds,
-            options,
-            device,
-            strategies=args.strategies,
-            recipe=recipe,
-            known=[row for row in rows if row["model"] == name],
-            jobs=jobs,
-            progress=progress,
-            pool=pool,
-        )
-    return entries

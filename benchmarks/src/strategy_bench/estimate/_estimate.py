@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from distributed_strategy import local_tensor, materialize
+from dist_core import local_tensor
+from replica_init import materialize
 from strategy_bench._compat import FakeTensorMode, fake_process_group, unset_fake_temporarily
 from strategy_bench._errors import BenchUsageError, error_summary
 from strategy_bench.estimate._agreement import comm_total

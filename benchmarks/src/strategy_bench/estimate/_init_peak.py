@@ -15,11 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from distributed_strategy import (
-    BROADCAST_BUCKET_BYTES,
-    select_shard_targets,
-    stream_bucket_bytes,
-)
+from fsdp_wrap import select_shard_targets
+from replica_init import BROADCAST_BUCKET_BYTES, stream_bucket_bytes
 from strategy_bench.measure import local_bytes
 
 

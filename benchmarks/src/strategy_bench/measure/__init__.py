@@ -6,11 +6,11 @@ from strategy_bench.measure._accounting import (
     account,
     autocast,
     ddp_bucket_bytes,
-    dtype_name,
     local_bytes,
     parameter_counts,
     saved_activation_bytes,
 )
+from strategy_bench.measure._comm import dtype_name
 from strategy_bench.measure._flops import (
     count_step_flops,
     datasheet_peak,

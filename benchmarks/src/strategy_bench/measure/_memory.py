@@ -6,7 +6,7 @@ import types
 
 import torch
 
-from distributed_strategy import MemoryPeak
+from dist_core import MemoryPeak
 
 
 def memory_reached(device: torch.device) -> int | None:

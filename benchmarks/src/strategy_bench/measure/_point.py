@@ -15,12 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed_strategy import (
-    MemoryPeak,
-    build_replicated_model,
-    build_sharded_model,
-    derive_seed,
-)
+from dist_core import MemoryPeak
+from distributed_strategy import build_replicated_model, derive_seed
+from replica_init import build_sharded_model
 from strategy_bench.measure import _wrappers
 from strategy_bench.measure._accounting import (
     account,

@@ -1,7 +1,7 @@
 """The run's links: collectives timed at a few sizes, fitted to latency + bytes / bandwidth.
 
 A collective of ``S`` bytes (an all-reduce's buffer, an all-gather's output, a
-reduce-scatter's input: what :class:`~strategy_bench.measure._accounting.CommBytes` counts)
+reduce-scatter's input: what :class:`~strategy_bench.measure._comm.CommBytes` counts)
 over ``n`` ranks takes ``latency + S * factor(n) / busbw``, with nccl-tests' bus-bandwidth
 factors: all-reduce ``2(n-1)/n``, all-gather and reduce-scatter ``(n-1)/n``. The fitted bus
 bandwidth is then one figure per link, whatever the group size; the estimate's time model

@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from distributed_strategy import local_tensor
+from dist_core import local_tensor
 from strategy_bench._compat import storage_key
 
 _NBYTES = torch.UntypedStorage.nbytes

@@ -18,13 +18,10 @@ from torch.nn.parallel import DistributedDataParallel
 from distributed_strategy import (
     SUPPORTED_DISTRIBUTED_STRATEGIES,
     DistributedConfig,
-    hsdp_mesh,
-    offload_policy,
-    select_shard_targets,
-    torch_dtype,
     wrap_module_ddp,
     wrap_module_fsdp,
 )
+from fsdp_wrap import hsdp_mesh, offload_policy, select_shard_targets, torch_dtype
 from strategy_bench._errors import BenchUsageError
 from strategy_bench.workload import ddp_wrap_knobs, fsdp_wrap_knobs
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from strategy_bench.report._estimate_plots import plot_estimate, plot_largest, plot_timeline
 from strategy_bench.report._estimate_report import write_estimate_report
 from strategy_bench.report._plots import plot_runs, plot_sweep, run_label
+from strategy_bench.report._published_plot import plot_published
 from strategy_bench.report._recommend import budgeted, recommend, yaml_section
 from strategy_bench.report._report import ONE_RANK_NOTE, verdict, write_report
 from strategy_bench.report._table import (
@@ -27,6 +28,7 @@ __all__ = [
     "plan_lines",
     "plot_estimate",
     "plot_largest",
+    "plot_published",
     "plot_runs",
     "plot_sweep",
     "plot_timeline",

@@ -279,33 +279,54 @@ def cost_table(
     """Per model, world size and strategy: what training ``train_tokens`` takes.
 
     The fastest point of each strategy that fits, at its predicted rate: tokens/s per GPU,
-    days, GPU-hours and cost.
+    days, GPU-hours and cost; a strategy with no point that fits says so, with its least peak.
     """
     best: dict[tuple[str, int, str], Mapping[str, Any]] = {}
+    smallest: dict[tuple[str, int, str], int] = {}
     for row in ok_rows(rows):
-        if not row.get("train_days") or not row.get("fits", True):
-            continue
         key = (str(row["model"]), int(row["world_size"]), str(row["strategy"]))
-        if key not in best or row["train_days"] < best[key]["train_days"]:
+        if not row.get("fits", True):
+            peak = int(row.get("peak_bytes") or row["total_bytes"])
+            smallest[key] = min(smallest.get(key, peak), peak)
+        elif row.get("train_days") and (
+            key not in best or row["train_days"] < best[key]["train_days"]
+        ):
             best[key] = row
+    # the knobs every row shares (the recipe asked for) are said once, above the table
+    kept = list(best.values())
+    shared = {
+        name: value
+        for name, value in (kept[0]["knobs"] if kept else {}).items()
+        if all(name in row["knobs"] and row["knobs"][name] == value for row in kept)
+    }
     header = ("model", "ranks", "strategy", "tokens/s per GPU", "days", "GPU-hours", "cost")
     lines: list[tuple[str, ...]] = [header]
-    for (model, world, _), row in sorted(best.items(), key=lambda item: item[0][:2]):
+    for key in sorted({*best, *smallest}):
+        model, world, strategy = key
+        if key not in best:
+            fit = f"does not fit ({smallest[key] / 2**30:.0f} GiB)"
+            lines.append((model, str(world), strategy, fit, "-", "-", "-"))
+            continue
+        row = best[key]
         cost = row.get("train_cost")
+        own = {name: value for name, value in row["knobs"].items() if name not in shared}
         lines.append(
             (
                 model,
                 str(world),
-                choice_text(row),
+                choice_text({"strategy": strategy, "knobs": own}),
                 f"{row['train_tokens_per_s'] / world:,.0f}",
                 _amount(row["train_days"]),
                 _amount(row["train_gpu_hours"]),
                 "-" if cost is None else _amount(cost),
             )
         )
-    if len(lines) == 1:
+    if not best:
         return f"no point that fits has a predicted rate to train {train_tokens:.3g} tokens at"
-    return _markdown(lines) if markdown else _render(lines)
+    table = _markdown(lines) if markdown else _render(lines)
+    if not shared:
+        return table
+    return f"every row: {knob_text(shared, ', ')}\n{table}"
 
 
 def plan_lines(plans: Sequence[Mapping[str, Any]], train_tokens: float) -> str:
@@ -315,7 +336,7 @@ def plan_lines(plans: Sequence[Mapping[str, Any]], train_tokens: float) -> str:
         fastest, cheapest = plan["fastest"], plan["cheapest"]
         head = f"{plan['model']}, {train_tokens:.3g} tokens:"
         out.append(f"{head} fastest that fits: {_costed(fastest)}")
-        if cheapest is not fastest:
+        if cheapest != fastest:
             out.append(f"{head} cheapest that fits: {_costed(cheapest)}")
     return "\n".join(out)
 
@@ -330,5 +351,7 @@ def _costed(entry: Mapping[str, Any]) -> str:
 
 
 def _amount(value: float) -> str:
-    """Three significant figures below 100, whole numbers with separators above."""
-    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+    """Whole numbers with separators from 100, one decimal from 1, three figures below."""
+    if value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.1f}" if value >= 1 else f"{value:.3g}"

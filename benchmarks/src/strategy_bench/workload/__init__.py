@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from distributed_strategy import CHECKPOINT_MODES, OFFLOAD_MODES, selective_kept
+from distributed_strategy.recipe import selective_kept
 from strategy_bench.workload._hf import (
     DEFAULT_HF_SEQ_LEN,
     HF_EXTRA,
@@ -48,6 +48,7 @@ from strategy_bench.workload._workload import (
     preset_workload,
     training_optimizer,
 )
+from strategy_config import CHECKPOINT_MODES, OFFLOAD_MODES
 
 __all__ = [
     "ACCUM_SYNC",

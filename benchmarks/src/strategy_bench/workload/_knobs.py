@@ -14,14 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from distributed_strategy import (
-    CHECKPOINT_MODES,
-    apply_block_recipe,
-    normalize_checkpointing,
-    normalize_offload,
-    select_shard_targets,
-)
+from distributed_strategy import apply_block_recipe
+from fsdp_wrap import select_shard_targets
 from strategy_bench._errors import BenchUsageError, error_summary
+from strategy_config import CHECKPOINT_MODES, normalize_checkpointing, normalize_offload
 
 STEP_KNOBS = ("grad_accum", "grad_accum_sync", "activation_checkpointing", "compile")
 """Knobs of the training step, not of the wrapper (not part of ``training.distributed``)."""

@@ -35,7 +35,7 @@ def wrap_module_ddp(
     detect_bypass: bool = True,
     **ddp_kwargs: Any,
 ) -> DelegatingDistributedDataParallel:
-    """Wrap ``module`` in :class:`DelegatingDistributedDataParallel`, like the MMAudio runner.
+    """Wrap ``module`` in :class:`DelegatingDistributedDataParallel` once its preconditions hold.
 
     Checks, in this order: the process group is initialized (``RuntimeError``); at least one
     parameter is trainable (``ValueError``); a CUDA ``device`` has a concrete index

@@ -1,8 +1,13 @@
 """The rules every distributed-strategy stage shares, each defined once.
 
-What a device argument means, whether a process group is initialized, the checks before a
-data-parallel wrap, what a model is wrapped in, how much memory a stage took, how an untrusted
-file is opened and how a written one is made durable.
+What a device argument means; who launched the process (torchrun's or SLURM's variables,
+``detect_launch``) and how its process group is started (``init_distributed``); whether a
+process group is initialized, this rank and rank-0 logging; how every rank reaches the same
+verdict on a failure (``agree``, ``agreed_error``, ``all_reduce_agreed``); the checks before a
+data-parallel wrap; what a model is wrapped in; how an untrusted file is opened
+(``open_regular``, ``read_regular``) and how a written one is made durable (``fsync_file``,
+``fsync_dir``, ``fsync_tree``, ``make_dirs``); how much memory a stretch of work took
+(``current_rss``, ``MemoryPeak``).
 """
 
 from __future__ import annotations

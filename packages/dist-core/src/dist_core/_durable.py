@@ -4,8 +4,9 @@ A rename is atomic but not durable: after a power or kernel failure the new dire
 the manifest or a data file may be lost while the checkpoint it replaced was already removed.
 Every file checkpoint-io (or hf-io) writes, the directory and its parent are fsynced before
 the checkpoint is published and before ``overwrite`` or ``keep_last`` removes an older one.
-DCP fsyncs its own data files and ``.metadata`` (``FileSystemWriter(sync_files=True)``, its
-default).
+Nothing relies on DCP's own flushing: a data file is flushed by the writer that wrote it
+(safe-store's ``StreamWriter``, hf-io's slice writes), and safe-store's ``publish`` flushes
+every file of the output again, its directories, and the parent after the rename.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Opening untrusted files: regular files only, never through a link, never blocking.
 
 Every reader of a file that someone else made (a checkpoint's manifest, DCP's index, values,
-RNG files; a safetensors header) opens it here. A planted FIFO named ``.metadata`` hung every
-checkpoint read path, and a symbolic link named ``checkpoint.json`` was followed out of the
-checkpoint: ``O_NONBLOCK`` makes opening a FIFO return at once (and changes nothing for a
-regular file), ``O_NOFOLLOW`` refuses a link, and the opened file must be a regular one.
+RNG files; a safetensors header) opens it here, so that a planted FIFO cannot block a reader
+and a planted symbolic link cannot lead it out of the directory it reads: ``O_NONBLOCK`` makes
+opening a FIFO return at once (and changes nothing for a regular file), ``O_NOFOLLOW`` refuses
+a link, and the opened file must be a regular one.
 
 One kind of link is followed where the caller asks: a Hugging Face hub cache snapshot's. In
 ``<cache>/models--org--name/snapshots/<revision>/`` every file is a relative link to

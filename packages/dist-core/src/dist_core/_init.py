@@ -39,7 +39,7 @@ def init_distributed(
       are checked against its visible GPUs.
     - Every rendezvous round gets its own store prefix, counted in the store by its ranks:
       torchrun keeps its store across restarts and membership changes, and a rank could
-      otherwise read a key a rank of an earlier round left (seen here: "Gloo connectFullMesh
+      otherwise read a key a rank of an earlier round left (and fail: "Gloo connectFullMesh
       failed ... Connect timeout").
     - ``timeout`` (a ``timedelta`` or seconds; default :data:`DEFAULT_TIMEOUT`) for every
       collective.
@@ -115,8 +115,9 @@ def gpu_index(launch: Launch, local: int, count: int) -> int:
     """This rank's GPU among the ``count`` visible ones (the rule, without CUDA).
 
     ``local`` (its local rank), except under ``srun --gpus-per-task=1``, where each task sees
-    its own one GPU: 0, for every local rank (local rank 0 included: its check against the
-    node's task count refused it, and without global rank 0 no rank's rendezvous started).
+    its own one GPU: 0, for every local rank (local rank 0 included: it is not checked against
+    the node's task count, which would refuse it, and without global rank 0 no rank's
+    rendezvous starts).
 
     Raises:
         ValueError: More ranks on the node than GPUs, or a local rank with no such GPU.
@@ -146,7 +147,7 @@ def _round_prefix(store: Store, world: int) -> str:
 
     torchrun keeps its store across restarts and across membership changes (a node joining or
     leaving restarts the workers without bumping ``TORCHELASTIC_RESTART_COUNT``), and a rank
-    could read a key a rank of an earlier round left (seen: "Gloo connectFullMesh failed ...
+    could read a key a rank of an earlier round left (and fail: "Gloo connectFullMesh failed ...
     Connect timeout"). The restart count cannot tell rounds apart either: each agent keeps its
     own, and a node that joins later starts at 0. So every rank counts itself in, under the
     world size, in the store itself; the ``world`` arrivals of one round share its number.

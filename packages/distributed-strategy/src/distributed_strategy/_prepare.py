@@ -15,9 +15,9 @@ from torch import nn
 from ddp_wrap import wrap_module_ddp
 from dist_core import DeviceLike, log_rank0, require_process_group, resolve_device
 from distributed_strategy._pretrained import build_pretrained
-from distributed_strategy._recipe import apply_block_recipe, recipe_blocks
 from distributed_strategy._stages import Stages
 from distributed_strategy._trainable import TrainablePolicy, apply_trainable
+from distributed_strategy.recipe import apply_block_recipe, recipe_blocks
 from fsdp_wrap import ShardPolicy, hsdp_mesh, wrap_module_fsdp
 from replica_init import (
     assert_replicas_identical,
@@ -83,7 +83,7 @@ def prepare_model(
     ``config.offload``); report one summary line on rank 0 with each stage's time and memory
     peaks (host RSS growth; on CUDA the device allocator's peak).
 
-    - DDP (the seed's path): a full replica on every device (``build_replicated_model``),
+    - DDP: a full replica on every device (``build_replicated_model``),
       proven identical across ranks, wrapped with ddp-wrap.
     - FSDP and HSDP: the whole model never reaches the device (``build_sharded_model``);
       HSDP shards over a 2-D mesh (``config.replicate`` x ``config.shard``, see
@@ -107,7 +107,7 @@ def prepare_model(
             (freeze encoders here: the wrap must see the final ``requires_grad`` set). It may
             return ``None`` (it changed the model in place) or the module to use.
         forward_methods: Methods of the model that the trainer calls instead of ``forward``
-            (MMAudio's ``ode_wrapper``): routed through DDP's forward, or registered with
+            (an ODE sampler's ``ode_wrapper``): routed through DDP's forward, or registered with
             FSDP2 so that they gather the root's parameters.
         verify: Check that every rank holds the same replica (DDP, before the wrap) or that
             every rank's shards are the built model's (FSDP, after the wrap).

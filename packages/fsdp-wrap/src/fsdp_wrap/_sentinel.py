@@ -4,10 +4,10 @@ A stale optimizer is refused: one built before the wrap replaced the parameters 
 
 ``fully_shard`` gives every parameter of the module a new ``DTensor`` parameter. An optimizer
 created before the wrap still holds the old ones, which no gradient ever reaches: its steps
-change nothing, and nothing says so (measured here on 2 gloo ranks: three AdamW steps, no
-weight changed). The wrap remembers the parameters it replaced, weakly (an old parameter that
-nothing else holds is forgotten with it), and a global optimizer step pre-hook checks each
-optimizer once, at its first ``step()`` after a wrap, before any weight changes.
+change no weight of the wrapped model, and nothing says so. The wrap remembers the parameters
+it replaced, weakly (an old parameter that nothing else holds is forgotten with it), and a
+global optimizer step pre-hook checks each optimizer once, at its first ``step()`` after a
+wrap, before any weight changes.
 
 So is one that would keep device-resident state for parameters a wrap offloaded to the host
 (``offload=True``): ``capturable=True`` (its step counts stay on the device, for CUDA graphs),
@@ -40,7 +40,7 @@ _REPLACED: dict[int, weakref.ref[torch.Tensor]] = {}
 _OFFLOADED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 """The modules a wrap with ``offload=True`` left in host memory. Modules, not parameters: a
 weak reference to a tensor makes ``torch.utils.swap_tensors`` refuse it, and with it a later
-``to_empty`` or ``_apply`` of the model (measured: "Couldn't swap Embedding.weight")."""
+``to_empty`` or ``_apply`` of the model ("Couldn't swap Embedding.weight")."""
 
 _CHECKED: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
 """Optimizers checked since the last wrap that replaced parameters, by ``id`` (an optimizer

@@ -1,4 +1,4 @@
-"""Construct a model replica exactly like the MMAudio runner: seeded CPU construction, then move."""
+"""Construct a model replica bit-identically on every rank: seeded CPU construction, then move."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def build_replicated_model_from_scratch(
 ) -> nn.Module:
     """Build one full replica of a model, bit-identical on every rank.
 
-    The recipe is the official MMAudio runner's: set the default dtype, construct on CPU under
-    a fixed seed, then move to ``device``. The result equals
+    Set the default dtype, construct on CPU under a fixed seed, then move to ``device``
+    (constructing on the device would draw from another generator). The result equals
     ``torch.manual_seed(seed); torch.set_default_dtype(default_dtype);
     model_cls(**init_params).to(device)`` bit for bit, but the process's random streams (CPU
     and ``device``'s) and its default dtype are left exactly as they were, also when the

@@ -72,7 +72,7 @@ def build_sharded_model(
     stage: StageContext | None = None,
     shard_degree: int | None = None,
 ) -> ShardedModel:
-    """Build the model sharded across the default group's ranks, bit-identical to the seed's.
+    """Build the model sharded across the default group's ranks, bit-identical to a seeded build.
 
     The whole model is never placed on ``device``:
 

@@ -2,10 +2,10 @@
 
 What torch's ``set_model_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``
 does, with its per-tensor broadcast replaced by packed buckets: a model of thousands of small
-tensors pays one collective per bucket instead of one per tensor (measured on 2 gloo ranks:
-about 1.3x the time of a full-replica broadcast per tensor, 1.0-1.1x bucketed). Each rank
-keeps only its own part of each tensor, cut by torch's ``distribute_tensor`` (no
-communication) on the parameter's own mesh and placements.
+tensors pays one collective per bucket instead of one per tensor, and no bucket holds more
+than its bound (a larger tensor goes alone). Each rank keeps only its own part of each
+tensor, cut by torch's ``distribute_tensor`` (no communication) on the parameter's own mesh
+and placements.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ lie (a data file, an offset, a length), and holds every value that is not a tens
 safe-store's tagged JSON). It is decoded field by field, with caps: nothing in it is code. Then
 it is checked against itself: each tensor's chunks lie inside it, do not overlap and cover it
 exactly; each chunk's record is exactly its raw bytes; a key's path is the one its name says
-(DCP joins a path's parts with dots), with no index past :data:`MAX_PATH_INDEX` (one path
-int of 10**10 asked a consolidation for an 80 GB allocation); :mod:`.tiling` checks the
-chunks against their tensors.
+(DCP joins a path's parts with dots), with no index past :data:`MAX_PATH_INDEX` (a list is
+rebuilt as long as its largest index, so one huge index would otherwise ask a consolidation
+for a huge allocation); :mod:`.tiling` checks the chunks against their tensors.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ checkpointing, then is compiled, then the wrap shards it (or DDP wraps the whole
 blocks are the FSDP shard policy's units (the same auto-detection), so a checkpointed or
 compiled region never spans two units; a model with no repeated block gets the recipe on the
 whole model. The bench applies its knobs through the same functions.
+
+The composed import re-exports :func:`apply_block_recipe` (what a trainer that wraps its own
+model calls); the rest is importable from here.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from dist_core import log_rank0
 from fsdp_wrap import ShardPolicy, select_shard_targets
 from strategy_config import CHECKPOINT_MODES
+
+__all__ = ["KEPT_OPS", "apply_block_recipe", "recipe_blocks", "selective_kept"]
 
 logger = logging.getLogger(__name__)
 
