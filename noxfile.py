@@ -9,6 +9,7 @@ Sessions:
     docs        MkDocs in strict mode, API pages from docstrings.
     bench       the DDP vs FSDP benchmark (CPU/gloo here, CUDA/NCCL on a GPU host).
     estimate    the planner: peak, fit, tokens/s, days and GPU-hours from a model's config.
+    peers       the train step beside raw torch, Lightning Fabric and Accelerate.
     microbench  the pytest-benchmark suite: each hot path beside its raw-torch baseline.
 
 torch always comes from one requirement, ``torch==2.13.0`` unless the environment variable
@@ -255,6 +256,19 @@ def estimate(session: nox.Session) -> None:
     if not any(a == "--out" or a.startswith("--out=") for a in args):
         args += ["--out", str(ROOT / "bench-results" / "estimate"), "--overwrite"]
     session.run("strategy-bench", "estimate", *args)
+
+
+@nox.session
+def peers(session: nox.Session) -> None:
+    """The train step beside its peers (raw torch, ours, Fabric, Accelerate), then the pairs.
+
+    Posargs go to ``benchmarks/step_peers.py`` (``nox -s peers -- --rounds 3``).
+    """
+    _install(session, "strategy-bench")
+    bench_meta = nox.project.load_toml(ROOT / "benchmarks" / "pyproject.toml")["project"]
+    session.install(*bench_meta["optional-dependencies"]["peers"])
+    session.run("python", "benchmarks/step_peers.py", *session.posargs)
+    session.run("python", "benchmarks/step_paired.py")
 
 
 @nox.session

@@ -169,6 +169,11 @@ class TestWrap:
     def test_mixed_precision_compute(self) -> None:
         model = wrap_module_fsdp(Regressor(), device="cpu", param_dtype="bf16", reduce_dtype="fp32")
         assert model(torch.randn(2, 8)).dtype == torch.bfloat16
+        # the root keeps its gathered bf16 parameters from the forward to the backward, as raw
+        # fully_shard does; its blocks were resharded at once
+        assert next(iter(model.parameters())).dtype == torch.bfloat16
+        assert all(p.dtype == torch.float32 for p in model.blocks.parameters())
+        model.reshard()
         assert next(iter(model.parameters())).dtype == torch.float32  # sharded master weights
 
     def test_same_checks_as_ddp(self) -> None:

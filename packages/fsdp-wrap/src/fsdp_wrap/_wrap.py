@@ -74,8 +74,10 @@ def wrap_module_fsdp(
             (the model's ``_no_split_modules``, else the repeated blocks of every
             ``nn.ModuleList`` / ``nn.Sequential``; see :func:`select_shard_targets`); a
             callable ``(submodule) -> bool``; or classes / class names.
-        reshard_after_forward: Free the unsharded parameters after forward (re-gathered in
-            backward): less memory, one more all-gather per unit.
+        reshard_after_forward: Free each unit's unsharded parameters after forward
+            (re-gathered in backward): less memory, one more all-gather per unit. The root's
+            are kept either way, as raw ``fully_shard`` keeps them (the backward needs them
+            first).
         param_dtype: Mixed precision compute dtype: ``"bf16"``, ``"fp16"``, ``"fp32"`` (or a
             torch dtype); ``None`` keeps the parameters' dtype.
         reduce_dtype: Dtype of the gradient reduce-scatter; ``None`` uses ``param_dtype``.
@@ -128,7 +130,7 @@ def wrap_module_fsdp(
             model_name,
         )
     before = parameters_of(module)
-    for unit in (*targets, module):  # children before parents, then the root
+    for unit in targets:  # children before parents
         fully_shard(
             unit,
             mesh=mesh,
@@ -136,6 +138,13 @@ def wrap_module_fsdp(
             mp_policy=policy,
             offload_policy=host,
         )
+    # NOTE: the root keeps torch's own rule unless resharding is off: its parameters are not
+    # freed after the forward, since the backward needs them at once. An explicit
+    # reshard_after_forward=True on the root would free them and gather them again in the
+    # backward (one more all-gather of the root's parameters every step, as raw fully_shard
+    # does not do).
+    root_reshard = {} if reshard_after_forward else {"reshard_after_forward": False}
+    fully_shard(module, mesh=mesh, mp_policy=policy, offload_policy=host, **root_reshard)
     held = remember_replaced(before, module)  # an optimizer holding these is refused at its step
     del before
     if offload:  # an optimizer with device-resident state for these is refused at its step

@@ -1,0 +1,89 @@
+"""The global gradient norm under FSDP2, ours and torch's, against a float64 reference.
+
+On 2 gloo ranks, the nanoGPT-sized model of ``step_peers.py`` sharded with ``fully_shard``:
+for each of ``--steps`` steps, the total 2-norm of the sharded gradients as grad-sync's
+``clip_grad_norm`` computes it (each rank's local shards' norm, squared, summed over the ranks,
+the square root) and as torch's ``get_total_norm`` computes it on the ``DTensor`` gradients,
+each against the norm of the gathered gradients in float64. Prints one JSON line per step and
+a summary: the largest relative error of each, and how often the two are the same float.
+
+Usage: ``python benchmarks/clip_norm_error.py [--steps 20]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from grad_sync._clip import _total_norm
+
+
+def _rank(rank: int, port: int, steps: int) -> None:
+    from step_peers import BATCH, PARAMS, SEQ, _model, _shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = _shard(_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(rank)
+    rows = []
+    for step in range(steps):
+        tokens = torch.randint(0, PARAMS["vocab"], (BATCH, SEQ + 1), generator=generator)
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        ours = _total_norm(grads, 2.0, None).item()
+        theirs = torch.nn.utils.get_total_norm(grads, 2.0).full_tensor().item()
+        full = [g.full_tensor().double() for g in grads]
+        reference = torch.linalg.vector_norm(torch.stack([g.norm() for g in full])).item()
+        rows.append(
+            {
+                "step": step,
+                "reference": reference,
+                "ours_rel_error": abs(ours - reference) / reference,
+                "torch_rel_error": abs(theirs - reference) / reference,
+                "same_float": ours == theirs,
+            }
+        )
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    if rank == 0:
+        for row in rows:
+            sys.stdout.write(json.dumps(row) + "\n")
+        summary = {
+            "steps": steps,
+            "ours_max_rel_error": max(r["ours_rel_error"] for r in rows),
+            "torch_max_rel_error": max(r["torch_rel_error"] for r in rows),
+            "same_float_steps": sum(r["same_float"] for r in rows),
+            "float32_eps": torch.finfo(torch.float32).eps,
+        }
+        sys.stdout.write(json.dumps(summary) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    """Spawn the two ranks and print what they measured."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    mp.spawn(_rank, args=(port, args.steps), nprocs=2)
+
+
+if __name__ == "__main__":
+    main()
