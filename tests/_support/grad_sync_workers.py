@@ -199,6 +199,17 @@ def clip_norms(rank: int, world_size: int) -> dict[str, Any]:
             total = clip_grad_norm(model, 0.05, norm_type)
             out[f"{strategy}_{key}"] = float(total)
             out[f"{strategy}_{key}_clipped"] = close(grads_of(model), clipped)
+            # torch's own clip of the same gradients, bit for bit (its inf norm fails on a
+            # rank whose shard is empty: ours reduces the maxima itself)
+            if strategy == "fsdp" and not math.isinf(norm_type):
+                theirs = _wrapped(strategy)
+                for x in batches(rank, 0):
+                    (loss_fn(theirs(x)) / K).backward()
+                expected = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.05, norm_type)
+                pairs = zip(model.parameters(), theirs.parameters(), strict=True)
+                out[f"fsdp_{key}_as_torch"] = float(total) == float(expected.full_tensor()) and all(
+                    torch.equal(a.grad.to_local(), b.grad.to_local()) for a, b in pairs
+                )
     return out
 
 

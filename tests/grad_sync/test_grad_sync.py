@@ -69,6 +69,10 @@ def test_clip_norm_is_the_same_everywhere(two_ranks: list[dict[str, object]], no
             assert clip[f"{strategy}_{norm}"] == pytest.approx(expected, rel=1e-5)
             assert clip[f"{strategy}_{norm}_clipped"] is True
     assert expected > 0.05  # so clipping really changed the gradients
+    # Under FSDP2 the norm and the clipped gradients are torch's clip_grad_norm_'s, bit for
+    # bit (the weights of a run that clips stay identical to raw FSDP2's)
+    if norm == "2":
+        assert all(rank["clip"]["fsdp_2_as_torch"] for rank in two_ranks)
 
 
 def _net() -> nn.Module:

@@ -143,8 +143,12 @@ def wrap_module_fsdp(
     # reshard_after_forward=True on the root would free them and gather them again in the
     # backward (one more all-gather of the root's parameters every step, as raw fully_shard
     # does not do).
-    root_reshard = {} if reshard_after_forward else {"reshard_after_forward": False}
-    fully_shard(module, mesh=mesh, mp_policy=policy, offload_policy=host, **root_reshard)
+    if reshard_after_forward:
+        fully_shard(module, mesh=mesh, mp_policy=policy, offload_policy=host)
+    else:
+        fully_shard(
+            module, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=host
+        )
     held = remember_replaced(before, module)  # an optimizer holding these is refused at its step
     del before
     if offload:  # an optimizer with device-resident state for these is refused at its step

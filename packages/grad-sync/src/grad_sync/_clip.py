@@ -59,14 +59,24 @@ def clip_grad_norm(
     if not params:
         return torch.tensor(0.0)
     total = _total_norm(grads, p, foreach)
+    if isinstance(total, DTensor):  # torch's own norm of the sharded gradients, as raw FSDP2
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+        total = total.full_tensor()  # replicated: every rank's value, no communication
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            _raise_nonfinite(model, norm_type, total)
+        return total
     if error_if_nonfinite and not bool(torch.isfinite(total)):
-        raise RuntimeError(
-            f"the total norm of order {norm_type} of the gradients of {type(model).__name__} is "
-            f"non-finite ({total.item()}), so it cannot be clipped; look for the nan/inf "
-            "gradient, or pass error_if_nonfinite=False to get the norm back without an error"
-        )
+        _raise_nonfinite(model, norm_type, total)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
     return total
+
+
+def _raise_nonfinite(model: nn.Module, norm_type: object, total: torch.Tensor) -> None:
+    raise RuntimeError(
+        f"the total norm of order {norm_type} of the gradients of {type(model).__name__} is "
+        f"non-finite ({total.item()}), so it cannot be clipped; look for the nan/inf "
+        "gradient, or pass error_if_nonfinite=False to get the norm back without an error"
+    )
 
 
 def _total_norm(grads: list[torch.Tensor], p: float, foreach: bool | None) -> torch.Tensor:
@@ -92,6 +102,11 @@ def _total_norm(grads: list[torch.Tensor], p: float, foreach: bool | None) -> to
             whole.append(grad)
     if not sharded:  # DDP, one process: torch's own computation, nothing added
         return torch.nn.utils.get_total_norm(whole, p, False, foreach)
+    if not whole and not inf and _torch_reduces(grads, sharded):
+        # NOTE: torch's own norm of the DTensor gradients, so that the clip (and the weights)
+        # are bit-identical to raw FSDP2's clip_grad_norm_; the reduction below differs from
+        # it in the last bit on some steps (its per-rank sums are added in another order).
+        return torch.nn.utils.get_total_norm(grads, p, False, foreach)
     device = next(iter(sharded.values()))[0].device
     total = _power(whole, p, foreach, device)
     for (mesh, dims), local in sharded.items():
@@ -103,6 +118,28 @@ def _total_norm(grads: list[torch.Tensor], p: float, foreach: bool | None) -> to
         part = reduced.to(device)
         total = torch.maximum(total, part) if inf else total + part
     return total if inf else total.pow(1.0 / p)
+
+
+def _torch_reduces(
+    grads: list[torch.Tensor], sharded: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]]
+) -> bool:
+    """Whether torch's ``get_total_norm`` can take these ``DTensor`` gradients as they are.
+
+    One mesh and sharding, and the shards on the mesh's device type (an offloaded host shard
+    over an NCCL mesh is refused by the group: :func:`reduce_device` moves its scalar).
+
+    NOTE: every rank must answer alike, or the ranks would enter different collectives: so
+    nothing here reads a rank's own shard sizes (empty shards differ across ranks; they only
+    matter to the inf norm, which never comes here). The mesh, the sharding and the offload
+    are the same wrap on every rank.
+    """
+    if len(sharded) != 1:
+        return False
+    ((mesh, _), local) = next(iter(sharded.items()))
+    device_type = str(mesh.device_type)
+    return all(t.device.type == device_type for t in local) and all(
+        isinstance(g, DTensor) for g in grads
+    )
 
 
 def reduce_device(mesh: Any, where: torch.device) -> torch.device:
