@@ -19,7 +19,8 @@ import xxhash
 
 from checkpoint_io import CheckpointError, CheckpointManager, latest_checkpoint, load_checkpoint
 from checkpoint_io._cli import main
-from checkpoint_models import Small, trained
+from checkpoint_io._storage.index import MAX_PATH_INDEX
+from checkpoint_models import Small, checkpoint_cli, trained
 from safe_store import record_digest
 
 
@@ -79,6 +80,17 @@ def _three_byte_rng(path: Path) -> None:
     _rehash(path, "rng/rank0.safetensors")
 
 
+def _optim_path_past_the_cap(path: Path) -> None:
+    """An optimizer-state value whose key, path and entry all agree: only the cap refuses it."""
+    key = f"optim.x.{10**10}"
+
+    def change(body: dict[str, Any]) -> None:
+        body["values"][key] = 0
+        body["paths"][key] = ["optim", "x", 10**10]
+
+    _edit(path, "index.json", change)
+
+
 MALFORMED = {
     "a path that is an int": (
         lambda p: _edit(p, "index.json", lambda b: b["paths"].update({"model.body.weight": 5})),
@@ -89,6 +101,11 @@ MALFORMED = {
             p, "index.json", lambda b: b["paths"].update({"model.body.weight": ["model", 10**10]})
         ),
         r"paths\['model.body.weight'\] is malformed",
+    ),
+    "an optimizer path int of 10**10": (
+        _optim_path_past_the_cap,
+        r"paths\['optim.x.10000000000'\] holds the list position 10000000000, past the cap "
+        r"MAX_PATH_INDEX",
     ),
     "world_size 3 without the RNG files": (
         lambda p: _edit(p, "checkpoint.json", lambda b: b.update(world_size=3)),
@@ -146,6 +163,79 @@ def test_a_path_int_of_10_10_is_refused_by_consolidate_and_inspect(tmp_path: Pat
     with pytest.raises(CheckpointError, match="is malformed"):
         consolidate_checkpoint(root / "step-2", tmp_path / "hf")
     assert main(["inspect", str(root / "step-2"), "--fingerprint"]) == 2
+
+
+def test_a_path_past_the_cap_is_refused_by_consolidate_and_inspect(tmp_path: Path) -> None:
+    """Key, path and entry agree (``optim.x.10000000000``, ``["optim", "x", 10**10]``), so
+    only MAX_PATH_INDEX refuses it: without the cap, consolidate wrote the model and
+    inspect --fingerprint rebuilt a list of 10**10 entries (an 80 GB allocation)."""
+    from checkpoint_io import consolidate_checkpoint
+
+    root = _root(tmp_path)
+    _optim_path_past_the_cap(root / "step-2")
+    cap = f"past the cap MAX_PATH_INDEX = {MAX_PATH_INDEX}"
+    with pytest.raises(CheckpointError, match=r"paths\['optim.x.10000000000'\]") as refused:
+        consolidate_checkpoint(root / "step-2", tmp_path / "hf")
+    assert cap in str(refused.value)
+    assert not (tmp_path / "hf").exists()
+    done = checkpoint_cli("inspect", str(root / "step-2"), "--fingerprint")
+    assert done.returncode == 2, done.stderr
+    assert "optim.x.10000000000" in done.stderr and cap in done.stderr, done.stderr
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A deep copy of ``optimizer.state_dict()`` (its tensors cloned)."""
+    state = optimizer.state_dict()
+    return {
+        "state": {
+            k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+            for k, s in state["state"].items()
+        },
+        "param_groups": json.loads(json.dumps(state["param_groups"])),
+    }
+
+
+def _same_optimizer_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (
+        a["param_groups"] == b["param_groups"]
+        and a["state"].keys() == b["state"].keys()
+        and all(
+            a["state"][k].keys() == b["state"][k].keys()
+            and all(torch.equal(torch.as_tensor(v), torch.as_tensor(b["state"][k][n]))
+                    for n, v in a["state"][k].items())
+            for k in a["state"]
+        )
+    )  # fmt: skip
+
+
+def test_a_3_byte_rng_state_leaves_the_model_and_an_optimizer_with_state_unchanged(
+    tmp_path: Path,
+) -> None:
+    """The RNG state of the wrong size was found after the model and the optimizer were
+    written: loaded with an optimizer that has state, both stay as they were."""
+    root = _root(tmp_path)
+    _three_byte_rng(root / "step-2")
+    torch.manual_seed(1)  # other weights and other optimizer state than the checkpoint's
+    model = Small()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    for _ in range(2):
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+    assert optimizer.state  # exp_avg, exp_avg_sq and step for every parameter
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer_before = _optimizer_state(optimizer)
+    holder = Holder({"k": "mine"})
+    rng = torch.get_rng_state()
+    with pytest.raises(CheckpointError, match=r"state\['cpu'\]"):
+        load_checkpoint(root / "step-2", model, optimizer, stateful={"h": holder})
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert _same_optimizer_state(_optimizer_state(optimizer), optimizer_before)
+    assert optimizer.param_groups[0]["lr"] == 0.5  # the checkpoint's is 0.1
+    assert holder.state == {"k": "mine"}
+    assert torch.equal(torch.get_rng_state(), rng)
+    # An intact checkpoint does change both: the comparisons above can see a load.
+    load_checkpoint(root / "step-1", model, optimizer, stateful={"h": holder})
+    assert not _same_optimizer_state(_optimizer_state(optimizer), optimizer_before)
 
 
 def test_a_stateful_object_that_raises_changes_nothing(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -457,3 +458,27 @@ def test_output_names_that_no_reader_opens_are_refused(
     with pytest.raises(error, match=message):
         call(TiedNet(), tmp_path)  # type: ignore[operator]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_out_dir_dot_is_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``out_dir='.'`` had no test: it is the working directory, refused by name while it
+    exists and overwrite is false, and written into (its other files kept) with overwrite."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "train.log").write_text("step 1\n")
+    monkeypatch.chdir(run)
+    model = TiedNet()
+    where = re.escape(repr(os.getcwd()))
+    with pytest.raises(FileExistsError, match=rf"^out_dir {where} already exists; pass overwrite"):
+        save_pretrained(model, ".")
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no staging directory left
+    assert [p.name for p in run.iterdir()] == ["train.log"]
+    assert save_pretrained(model, ".", overwrite=True) == Path(os.getcwd())
+    assert sorted(p.name for p in run.iterdir()) == ["model.safetensors", "train.log"]
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+    assert (run / "train.log").read_text() == "step 1\n"
+    target = TiedNet()
+    load_pretrained(target, ".")
+    assert _same(_state(target), _state(model))

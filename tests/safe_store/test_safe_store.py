@@ -14,6 +14,8 @@ import xxhash
 from safetensors import safe_open
 
 from safe_store import (
+    MAX_ENTRIES,
+    MAX_HEADER_BYTES,
     StreamWriter,
     begin,
     dumps,
@@ -125,6 +127,40 @@ def test_a_header_is_checked_by_safetensors_rules(tmp_path: Path) -> None:
         file.write_bytes(struct.pack("<Q", len(text)) + text + data)
         with pytest.raises(ValueError, match=message):
             read_header(file)
+
+
+def _zero_size_entries(names: list[bytes]) -> bytes:
+    entry = b'{"dtype":"U8","shape":[0],"data_offsets":[0,0]}'
+    return b"{" + b",".join(b'"%s":%s' % (name, entry) for name in names) + b"}"
+
+
+def test_a_header_of_more_entries_than_the_cap_is_refused_before_it_is_parsed() -> None:
+    """1.48 M zero-size entries (a 94 MB header) were parsed and accepted in about 16 s and
+    1-2 GB; one past MAX_ENTRIES took 12 s. Now they are counted in the raw bytes first."""
+    over = MAX_ENTRIES + 1
+    text = _zero_size_entries([b"%d" % i for i in range(over)])
+    assert len(text) < MAX_HEADER_BYTES  # within safetensors' own cap on the length
+    data = struct.pack("<Q", len(text)) + text
+    with pytest.raises(ValueError, match=r"crafted\.safetensors is not a valid") as refused:
+        header_of(data, Path("crafted.safetensors"))
+    assert f"more than the cap MAX_ENTRIES = {MAX_ENTRIES} entries ({over} counted" in str(
+        refused.value
+    )
+
+
+def test_braces_inside_names_and_metadata_are_not_counted_as_entries() -> None:
+    """Only objects outside strings are counted: a stateful object's tagged JSON in
+    ``__metadata__`` (a million dicts, its quotes escaped) or a name of braces is no entry."""
+    name = "{" * 10 + '"\\'
+    state = json.dumps([{"i": i} for i in range(MAX_ENTRIES + 1)])
+    table = {
+        name: {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]},
+        "__metadata__": {"state": state},
+    }
+    text = json.dumps(table).encode()
+    assert text.count(b"{") > MAX_ENTRIES + 2
+    header = header_of(struct.pack("<Q", len(text)) + text, Path("braces.safetensors"))
+    assert list(header.entries) == [name] and header.metadata == {"state": state}
 
 
 def test_publish_is_one_rename_or_replaces_only_its_own_files(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ Each file's header is checked here before a byte of data is read, by the rules t
 library applies when it opens the file, so that whatever passes here safetensors reads too:
 
 - an 8-byte little-endian length, at most :data:`MAX_HEADER_BYTES`, inside the file;
+- at most :data:`MAX_ENTRIES` entries, counted in the raw bytes before the JSON is parsed;
 - UTF-8 JSON, one object; no key twice; no lone surrogate in a name; integers of at most
   :data:`MAX_DIGITS` digits; ``__metadata__`` absent, ``null`` or an object of strings;
 - each entry ``{dtype, shape, data_offsets}``: a known dtype, at most :data:`MAX_DIMS` dims,
@@ -34,6 +35,7 @@ __all__ = [
     "CODES",
     "DTYPES",
     "MAX_DIMS",
+    "MAX_ENTRIES",
     "MAX_HEADER_BYTES",
     "METADATA_KEY",
     "Entry",
@@ -50,9 +52,20 @@ MAX_HEADER_BYTES = 100_000_000
 """safetensors' own cap on a header's length."""
 MAX_DIMS = 64
 """The most dims an entry may have (no model's tensor has more; 100,000 dims are refused)."""
+MAX_ENTRIES = 1 << 20
+"""The most entries one header's table may hold (its tensors, and ``__metadata__``).
+
+NOTE: safetensors caps only the header's length (:data:`MAX_HEADER_BYTES`), and 100 MB of
+zero-size entries is 1.5 M of them: they were parsed (16 s and 1-2 GB) and accepted. A file of
+a real checkpoint holds far fewer (100,000 tensors with two optimizer states each is 300,000),
+and a larger model is split into shards. The entries are counted in the raw bytes before the
+JSON is parsed, so a header past the cap is refused after a linear scan (about a second, a
+few at most); one at the cap is still parsed (about 12 s)."""
 MAX_DIGITS = 20
 """The most digits of an integer in a header (2**64 has 20)."""
 _U64 = 2**64
+_WINDOW = 1 << 22
+"""The bytes of a header split at a time when its objects are counted (bounds the memory)."""
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -167,6 +180,11 @@ def parse_header(file: Path, raw: bytes, size: int, ident: tuple[int, ...]) -> H
         ValueError: As :func:`read_header`.
     """
     length = len(raw)
+    if length > MAX_HEADER_BYTES:
+        raise _bad(
+            file, f"its header is {length} bytes (safetensors allows at most {MAX_HEADER_BYTES})"
+        )
+    _check_count(file, raw)
     table = _parse(file, raw)
     metadata = table.pop(METADATA_KEY, None)
     if metadata is None:
@@ -194,6 +212,50 @@ def tensor_of(data: bytes | memoryview, entry: Entry) -> torch.Tensor:
 def identity(status: os.stat_result) -> tuple[int, ...]:
     """What tells one file from its replacement: device, inode, size, modification time."""
     return (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+
+
+def _check_count(file: Path, raw: bytes) -> None:
+    """Refuse a header of more than :data:`MAX_ENTRIES` entries before it is parsed.
+
+    Each entry (``__metadata__`` too) is a JSON object inside the table, so it holds one
+    ``{`` outside any string. The ``{`` bytes bound the objects from above (that byte is never
+    part of a longer UTF-8 character); only past the cap are the ``{`` outside strings
+    counted, so that names or metadata full of braces (a ``stateful=`` object's tagged JSON)
+    are not taken for entries.
+    """
+    most = MAX_ENTRIES + 1  # the table itself is an object too
+    if raw.count(b"{") <= most:
+        return
+    objects = _objects(raw, most)
+    if objects > most:
+        raise _bad(
+            file,
+            f"its header holds more than the cap MAX_ENTRIES = {MAX_ENTRIES} entries "
+            f"({objects - 1} counted before it was parsed); no real checkpoint's file holds "
+            "as many, so it is crafted or corrupt (a larger model is split into shards)",
+        )
+
+
+def _objects(raw: bytes, most: int) -> int:
+    """The ``{`` bytes outside JSON strings in ``raw`` (the count stops once past ``most``).
+
+    With the escaped backslashes and then the escaped quotes taken out, every quote left
+    opens or closes a string, so the text between quotes alternates outside and inside. Split
+    a window at a time, in C: linear, whatever the header holds.
+    """
+    text = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    objects, inside = 0, 0
+    for start in range(0, len(text), _WINDOW):
+        window = text[start : start + _WINDOW]
+        if b"{" not in window:
+            inside ^= window.count(b'"') & 1
+            continue
+        pieces = window.split(b'"')
+        objects += b"".join(pieces[inside::2]).count(b"{")
+        inside ^= (len(pieces) - 1) & 1
+        if objects > most:
+            break
+    return objects
 
 
 def _parse(file: Path, raw: bytes) -> dict[str, Any]:

@@ -46,20 +46,24 @@ def staging_dir(out_dir: Path) -> Path:
     return out_dir.with_name(f".{out_dir.name}.partial")
 
 
-def check_target(out_dir: Path, overwrite: bool) -> None:
+def check_target(out_dir: Path, overwrite: bool, argument: str = "out_dir") -> None:
     """Refuse an existing ``out_dir`` unless ``overwrite``; refuse a file or a link there always.
+
+    ``argument`` names the parameter in the messages (``out_dir='.'`` is the working
+    directory, shown as its absolute path).
 
     Raises:
         FileExistsError: If ``out_dir`` exists (and is not a directory to overwrite).
     """
     if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
         raise FileExistsError(
-            f"{str(out_dir)!r} exists and is not a directory; choose another output directory"
+            f"{argument} {str(out_dir)!r} exists and is not a directory; choose another "
+            "output directory"
         )
     if out_dir.exists() and not overwrite:
         raise FileExistsError(
-            f"{str(out_dir)!r} already exists; pass overwrite=True to replace what it holds "
-            "of an earlier output, or choose another output directory"
+            f"{argument} {str(out_dir)!r} already exists; pass overwrite=True to replace what "
+            "it holds of an earlier output, or choose another output directory"
         )
 
 

@@ -173,12 +173,17 @@ def _path(file: Path, fqn: str, path: Any) -> tuple[str | int, ...]:
     if (
         not isinstance(path, list)
         or not path
-        or not all(
-            isinstance(p, str) or (type(p) is int and 0 <= p <= MAX_PATH_INDEX) for p in path
-        )
+        or not all(isinstance(p, str) or (type(p) is int and p >= 0) for p in path)
         or ".".join(map(str, path)) != fqn
     ):
         raise _malformed(file, f"paths[{shown(fqn, 80)}]", path)
+    past = [p for p in path if type(p) is int and p > MAX_PATH_INDEX]
+    if past:
+        raise CheckpointError(
+            f"{file}'s paths[{shown(fqn, 80)}] holds the list position {past[0]}, past the "
+            f"cap MAX_PATH_INDEX = {MAX_PATH_INDEX} (a list is rebuilt as long as its largest "
+            "position); the index is corrupt or crafted (refused, nothing was read)"
+        )
     return tuple(path)
 
 
