@@ -9,7 +9,8 @@ sequence 256, AdamW, clip 1.0) on 2 gloo ranks, under DDP and FSDP2, built from 
   ``load_checkpoint``;
 - fabric: ``Fabric(strategy="ddp")`` / ``ModelParallelStrategy`` with the same
   ``fully_shard`` calls, ``fabric.clip_gradients``, ``fabric.save`` / ``fabric.load``;
-- accelerate: ``Accelerator(cpu=True)`` (DDP only: its FSDP needs a GPU),
+- accelerate: ``Accelerator(cpu=True)`` (DDP only: its FSDP plugin is used on accelerator
+  devices only),
   ``clip_grad_norm_``, ``save_state`` / ``load_state``.
 
 Each is one job (its own 2 spawned ranks) per round, in an order rotated every round. A job
@@ -121,7 +122,9 @@ class _Side:
         from accelerate import Accelerator
 
         if self.strategy == "fsdp":
-            raise RuntimeError("Accelerate's FSDP plugin needs a GPU (no CPU FSDP2 path)")
+            raise RuntimeError(
+                "Accelerate turns its FSDP plugin on for accelerator devices only (not MULTI_CPU)"
+            )
         accelerator = Accelerator(cpu=True)
         model = _model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -111,9 +111,17 @@ def raw(
     mesh = _mesh(strategy, device, group, None, made)
     reshard = bool(fsdp.get("reshard_after_forward", True))
     host = offload_policy(device, fsdp["offload"])  # what a trainer passes for offload
-    for unit in (*select_shard_targets(module, None), module):
+    for unit in select_shard_targets(module, None):
         fully_shard(
             unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=host
+        )
+    # the root as a trainer calls it: torch's own rule (kept gathered from the forward to the
+    # backward) unless resharding is off; an explicit True would regather it every backward
+    if reshard:
+        fully_shard(module, mesh=mesh, mp_policy=policy, offload_policy=host)
+    else:
+        fully_shard(
+            module, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=host
         )
     return module
 
