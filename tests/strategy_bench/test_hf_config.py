@@ -207,7 +207,8 @@ def test_the_readmes_first_command_prints_the_readmes_table(
     assert shown is not None
     root = Path(__file__).resolve().parents[2]
     args = [str(root / arg) if arg.startswith("docs/") else arg for arg in args]
-    assert main(["estimate", *args, "--out", str(tmp_path / "out")]) == 0
+    # --jobs 1: in this process (the figures do not depend on it; no pool to start)
+    assert main(["estimate", *args, "--jobs", "1", "--out", str(tmp_path / "out")]) == 0
     printed = [line.rstrip() for line in capsys.readouterr().out.splitlines()]
     for line in shown.group(1).strip().splitlines():
         assert line.rstrip() in printed, line
