@@ -225,6 +225,53 @@ def _wrapped(strategy: str) -> nn.Module:
     return model
 
 
+def between_forward_and_backward(rank: int, world_size: int) -> dict[str, Any]:
+    """What the count and clip read after a forward, before its backward, where no parameter
+    is a sharded DTensor: a root-only FSDP2 model (torch keeps the root gathered for the
+    backward) and units with reshard_after_forward=False."""
+    from dist_core import strategy_of
+    from grad_sync import data_parallel_size
+
+    out: dict[str, Any] = {}
+    for name in ("root_only", "no_reshard"):
+        model = build()
+        if name == "no_reshard":
+            for block in model.blocks:
+                fully_shard(block, reshard_after_forward=False)
+        fully_shard(model)
+        x = batches(rank, 0)[0]
+        loss = loss_fn(model(x))
+        sharded = any(isinstance(p, DTensor) for p in model.parameters())
+        out[name] = {
+            "sharded_params_seen": sharded,
+            "data_parallel_size": data_parallel_size(model),
+            "strategy": strategy_of(model),
+        }
+        loss.backward()
+    return out
+
+
+def nonfinite_clip(rank: int, world_size: int) -> dict[str, Any]:
+    """An inf gradient with error_if_nonfinite=True under FSDP2: raises, changes nothing."""
+    model = _wrapped("fsdp")
+    for x in batches(rank, 0):
+        (loss_fn(model(x)) / K).backward()
+    first = next(p for p in model.parameters() if p.grad is not None)
+    first.grad.to_local().fill_(math.inf)  # type: ignore[union-attr]
+    before = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+    try:
+        clip_grad_norm(model, 0.05, error_if_nonfinite=True)
+    except RuntimeError as error:
+        raised = "non-finite" in str(error)
+    else:
+        raised = False
+    after = {n: p.grad.to_local() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+    unchanged = all(
+        torch.equal(before[n], after[n]) or bool(torch.isinf(before[n]).all()) for n in before
+    )
+    return {"raised": raised, "unchanged": unchanged}
+
+
 def everything(rank: int, world_size: int) -> dict[str, Any]:
     """All multi-rank grad-sync checks in one spawned run (one process group)."""
     return {
@@ -237,6 +284,8 @@ def everything(rank: int, world_size: int) -> dict[str, Any]:
         "variable": variable_length(rank, world_size, ("ddp", "fsdp")),
         "zero": zero_count(rank, world_size),
         "inputs": count_inputs(rank, world_size),
+        "mid_step": between_forward_and_backward(rank, world_size),
+        "nonfinite_clip": nonfinite_clip(rank, world_size),
     }
 
 

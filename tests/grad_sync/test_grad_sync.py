@@ -75,6 +75,28 @@ def test_clip_norm_is_the_same_everywhere(two_ranks: list[dict[str, object]], no
         assert all(rank["clip"]["fsdp_2_as_torch"] for rank in two_ranks)
 
 
+@pytest.mark.multiprocess
+def test_the_world_is_read_between_the_forward_and_the_backward(
+    two_ranks: list[dict[str, object]],
+) -> None:
+    """After a forward no parameter of these models is a sharded DTensor (the root kept
+    gathered; units with reshard_after_forward=False): the mesh comes from FSDP's state, so
+    count_mean still scales by the world and strategy_of still says fsdp."""
+    for rank in two_ranks:
+        for name, seen in rank["mid_step"].items():  # type: ignore[union-attr]
+            assert seen["sharded_params_seen"] is False, name  # the case this guards
+            assert seen["data_parallel_size"] == len(two_ranks), name
+            assert seen["strategy"] == "fsdp", name
+
+
+@pytest.mark.multiprocess
+def test_a_nonfinite_fsdp_norm_raises_before_any_gradient_changes(
+    two_ranks: list[dict[str, object]],
+) -> None:
+    for rank in two_ranks:
+        assert rank["nonfinite_clip"] == {"raised": True, "unchanged": True}
+
+
 def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))

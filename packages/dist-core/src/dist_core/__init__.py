@@ -40,6 +40,7 @@ from dist_core._memory import MemoryPeak, current_rss
 from dist_core._wrapped import (
     Strategy,
     compute_device,
+    fsdp_mesh,
     fsdp_modules,
     local_tensor,
     mesh_device,
@@ -67,6 +68,7 @@ __all__ = [
     "current_rss",
     "detect_launch",
     "expand_nodelist",
+    "fsdp_mesh",
     "fsdp_modules",
     "fsync_dir",
     "fsync_file",

@@ -12,6 +12,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from dist_core._compat import fsdp_param_groups
+
 Strategy = Literal["ddp", "fsdp", "hsdp", "none"]
 
 
@@ -107,14 +109,27 @@ def strategy_of(model: nn.Module) -> Strategy:
     fsdp1 = _fsdp1_class()
     if fsdp1 is not None and isinstance(model, fsdp1):
         return "fsdp"
-    for module in model.modules():
-        if isinstance(module, FSDPModule):  # the outermost: its first sharded parameter's mesh
-            for param in module.parameters():
-                mesh = getattr(param, "device_mesh", None)
-                if mesh is not None:
-                    return "hsdp" if mesh.ndim == 2 else "fsdp"
-            return "fsdp"
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        mesh = fsdp_mesh(model)
+        return "hsdp" if mesh is not None and mesh.ndim == 2 else "fsdp"
     return "none"
+
+
+def fsdp_mesh(model: nn.Module) -> DeviceMesh | None:
+    """The mesh FSDP2 shards ``model`` over (2-D under HSDP), or ``None`` without FSDP2.
+
+    NOTE: read from the FSDP state, never from ``model.parameters()``: from a forward to the
+    backward the root's parameters are plain gathered tensors (torch keeps the root gathered
+    for the backward), and with ``reshard_after_forward=False`` every unit's are. A rule that
+    looked for a ``DTensor`` parameter found none there, and a loss normalised between the
+    forward and the backward was scaled for one rank instead of the world.
+    """
+    for module in fsdp_modules(model):  # the outermost first
+        for group in fsdp_param_groups(module._get_fsdp_state()):
+            mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
+            if isinstance(mesh, DeviceMesh):
+                return mesh
+    return None
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -77,7 +77,10 @@ def wrap_module_fsdp(
         reshard_after_forward: Free each unit's unsharded parameters after forward
             (re-gathered in backward): less memory, one more all-gather per unit. The root's
             are kept either way, as raw ``fully_shard`` keeps them (the backward needs them
-            first).
+            first); after a forward with no backward (evaluation) they stay gathered until
+            the next backward, ``state_dict()`` or ``model.reshard()``: call
+            ``model.reshard()`` before an optimizer step or a weight change that follows an
+            evaluation forward.
         param_dtype: Mixed precision compute dtype: ``"bf16"``, ``"fp16"``, ``"fp32"`` (or a
             torch dtype); ``None`` keeps the parameters' dtype.
         reduce_dtype: Dtype of the gradient reduce-scatter; ``None`` uses ``param_dtype``.

@@ -60,11 +60,11 @@ def clip_grad_norm(
         return torch.tensor(0.0)
     total = _total_norm(grads, p, foreach)
     if isinstance(total, DTensor):  # torch's own norm of the sharded gradients, as raw FSDP2
+        full = total.full_tensor()  # replicated: every rank's value, no communication
+        if error_if_nonfinite and not bool(torch.isfinite(full)):
+            _raise_nonfinite(model, norm_type, full)  # before any gradient changes
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
-        total = total.full_tensor()  # replicated: every rank's value, no communication
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            _raise_nonfinite(model, norm_type, total)
-        return total
+        return full
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         _raise_nonfinite(model, norm_type, total)
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)

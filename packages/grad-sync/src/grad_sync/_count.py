@@ -18,13 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from dist_core import (
     all_reduce_agreed,
     collective_device,
+    fsdp_mesh,
     fsdp_modules,
     mesh_device,
     strategy_of,
@@ -255,7 +254,7 @@ def _reduction(model: nn.Module) -> tuple[list[dist.ProcessGroup | None] | None,
         group = getattr(ddp, "process_group", None)
         return [group], collective_device(group)
     if strategy in ("fsdp", "hsdp") and fsdp_modules(model):
-        mesh = _mesh(model)
+        mesh = fsdp_mesh(model)
         if mesh is None:
             return None, torch.device("cpu")
         device = mesh_device(mesh)
@@ -263,10 +262,3 @@ def _reduction(model: nn.Module) -> tuple[list[dist.ProcessGroup | None] | None,
             return [None], device  # one all-reduce over every rank
         return [mesh.get_group(dim) for dim in range(mesh.ndim)], device
     return None, torch.device("cpu")
-
-
-def _mesh(model: nn.Module) -> DeviceMesh | None:
-    for param in model.parameters():
-        if isinstance(param, DTensor):
-            return param.device_mesh
-    return None

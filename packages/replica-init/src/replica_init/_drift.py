@@ -8,10 +8,10 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from dist_core import (
     collective_device,
+    fsdp_mesh,
     is_distributed,
     local_tensor,
     strategy_of,
@@ -130,7 +130,8 @@ def _replicated(
     if strategy == "ddp":
         return getattr(unwrap_compiled(model), "process_group", None) or dist.group.WORLD, named
     if strategy == "hsdp":
-        mesh = next(t.device_mesh for _, t in named if isinstance(t, DTensor))
+        mesh = fsdp_mesh(model)
+        assert mesh is not None  # strategy_of read "hsdp" from it
         local = [(name, local_tensor(t)) for name, t in named]
         return mesh.get_group(0), local  # HSDP's mesh: (replicate, shard)
     return None, []
