@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 
 import torch
@@ -101,10 +100,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    mp.spawn(_rank, args=(port, args.steps), nprocs=2)
+    from step_peers import _free_port
+
+    mp.spawn(_rank, args=(_free_port(), args.steps), nprocs=2)
 
 
 if __name__ == "__main__":

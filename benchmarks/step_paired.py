@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -116,10 +115,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.iters < 1:
         parser.error(f"--iters must be >= 1, got {args.iters}")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
-    mp.spawn(_rank, args=(port, args.iters), nprocs=2)
+    from step_peers import _free_port
+
+    mp.spawn(_rank, args=(_free_port(), args.iters), nprocs=2)
 
 
 if __name__ == "__main__":

@@ -158,6 +158,8 @@ def test_the_cost_of_training_follows_each_rows_rate(
         ),
         (["--hf-config", "CONFIG", "--tokens-per-sample", "8"], "set --seq-len instead"),
         (["--hf-config", "NOTYPE"], "has no 'model_type'"),
+        (["--hf-config", "UNKNOWN"], "transformers cannot read it (ValueError: "),
+        (["--hf-config", "T5"], "'t5' is not a causal language model transformers can build"),
         (["--train-tokens", "1e12"], "--train-tokens 1e+12 needs a predicted rate"),
         (["--gpu", "H100", "--train-tokens", "0"], "--train-tokens must be a token count"),
         (["--gpu", "H100", "--train-tokens", "nan"], "--train-tokens must be a token count"),
@@ -173,10 +175,17 @@ def test_bad_input_is_one_line_before_anything_runs(
 ) -> None:
     config = _config(tmp_path / "cfg")
     (tmp_path / "notype.json").write_text(json.dumps({"hidden_size": 8}))
-    args = [
-        {"CONFIG": str(config), "NOTYPE": str(tmp_path / "notype.json")}.get(arg, arg)
-        for arg in args
-    ]
+    unknown = json.loads((config / "config.json").read_text()) | {"model_type": "no-such-model"}
+    (tmp_path / "unknown.json").write_text(json.dumps(unknown))
+    t5 = tmp_path / "t5"  # an encoder-decoder: no causal LM class
+    transformers.T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2).save_pretrained(t5)
+    named = {
+        "CONFIG": str(config),
+        "NOTYPE": str(tmp_path / "notype.json"),
+        "UNKNOWN": str(tmp_path / "unknown.json"),
+        "T5": str(t5),
+    }
+    args = [named.get(arg, arg) for arg in args]
     out = tmp_path / "out"
     assert exit_code(["estimate", *args, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip()

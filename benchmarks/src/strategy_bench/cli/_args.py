@@ -287,7 +287,7 @@ def workload_specs(args: argparse.Namespace, device: str) -> list[WorkloadSpec]:
         raise BenchUsageError(f"--model-factory and --input-factory go together; add {missing}")
     if (args.init_params or args.trainable) and not args.model_factory:
         raise BenchUsageError("--init-params and --trainable need --model-factory")
-    hf_config = getattr(args, "hf_config", None)
+    hf_config = args.hf_config
     if hf_config is not None:
         if args.model_factory or args.input_factory or args.init_params or args.trainable:
             raise BenchUsageError(

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from strategy_bench._errors import BenchUsageError
+from strategy_bench.workload._presets import synthetic_tokens
 from strategy_bench.workload._workload import Workload
 
 HF_EXTRA = "pip install 'strategy-bench[hf]'"
@@ -68,7 +69,13 @@ def config_file(path: str | Path) -> Path:
     return found
 
 
-def _load_config(path: str, overrides: dict[str, Any]) -> Any:
+def _first_line(error: Exception) -> str:
+    """Transformers' messages run to several lines; a usage error is one."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+
+
+def _load_config(path: str, overrides: dict[str, Any]) -> tuple[Path, Any]:
+    """``path``'s ``config.json`` and transformers' config read from it, ``overrides`` set."""
     require_transformers()
     from transformers import AutoConfig
 
@@ -79,8 +86,8 @@ def _load_config(path: str, overrides: dict[str, Any]) -> Any:
         config = AutoConfig.from_pretrained(str(found), local_files_only=True)
     except (ValueError, KeyError, OSError) as error:
         raise BenchUsageError(
-            f"--hf-config {str(found)!r}: transformers cannot read it ({type(error).__name__}: "
-            f"{error}); is its model_type known to the installed transformers?"
+            f"--hf-config {str(found)!r}: transformers cannot read it ({_first_line(error)}); "
+            "is its model_type known to the installed transformers?"
         ) from None
     for name, value in overrides.items():
         if not hasattr(config, name):
@@ -88,7 +95,7 @@ def _load_config(path: str, overrides: dict[str, Any]) -> Any:
                 f"--hf-config {str(found)!r}: the config has no {name!r} to set to {value!r}"
             )
         setattr(config, name, value)
-    return config
+    return found, config
 
 
 def causal_lm(config: str, **overrides: Any) -> nn.Module:
@@ -103,7 +110,7 @@ def causal_lm(config: str, **overrides: Any) -> nn.Module:
         BenchUsageError: If transformers is missing, or the config cannot be read, or is not
             a causal language model.
     """
-    loaded = _load_config(config, overrides)
+    _, loaded = _load_config(config, overrides)
     from transformers import AutoModelForCausalLM
 
     try:
@@ -115,7 +122,7 @@ def causal_lm(config: str, **overrides: Any) -> nn.Module:
     except ValueError as error:
         raise BenchUsageError(
             f"--hf-config {config!r}: {loaded.model_type!r} is not a causal language model "
-            f"transformers can build from a config ({error})"
+            f"transformers can build from a config ({_first_line(error)})"
         ) from None
     return model
 
@@ -139,9 +146,8 @@ def _positive(loaded: Any, config: str, name: str) -> int:
     return value
 
 
-def model_name(config: str) -> str:
-    """The label of a config's rows: its directory's name, else its ``model_type``."""
-    found = config_file(config)
+def model_name(found: Path) -> str:
+    """The label of a config's rows: its directory's name, else the file's stem."""
     if found.name == "config.json" and found.parent.name:
         return found.parent.name
     return found.stem
@@ -159,18 +165,18 @@ def hf_workload(config: str, seq_len: int | None) -> Workload:
         BenchUsageError: As :func:`causal_lm`, or if ``seq_len`` exceeds the config's
             ``max_position_embeddings``, or the config has no ``vocab_size`` or depth.
     """
-    loaded = _load_config(config, {})
+    found, loaded = _load_config(config, {})
     length = _seq_len(loaded, seq_len)
     vocab = _positive(loaded, config, "vocab_size")
     depth = _positive(loaded, config, HF_SCALE_PARAM)
 
     def make_batch(batch_size: int, device: torch.device, generator: torch.Generator) -> Any:
-        # drawn on CPU, then moved: the same ids on every device
-        ids = torch.randint(0, vocab, (batch_size, length), generator=generator)
-        return ids.to(device)
+        # length ids: the model shifts its labels itself (synthetic_tokens draws one id more
+        # than it is asked for: the presets' shifted target)
+        return synthetic_tokens(batch_size, length - 1, vocab, device, generator)
 
     return Workload(
-        name=model_name(config),
+        name=model_name(found),
         factory=causal_lm,
         init_params={"config": config, HF_SCALE_PARAM: depth},
         make_batch=make_batch,

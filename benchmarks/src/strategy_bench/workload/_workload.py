@@ -64,6 +64,8 @@ class Workload:
         try:
             with torch.device("meta"):
                 model = self.factory(**self.init_params)
+        except BenchUsageError:
+            raise  # the factory's own one line (--hf-config's), not a meta-device failure
         except Exception as error:
             raise BenchUsageError(
                 f"the model is built on the meta device (no memory), and "

@@ -59,35 +59,29 @@ def clip_grad_norm(
     if not params:
         return torch.tensor(0.0)
     total = _total_norm(grads, p, foreach)
-    if isinstance(total, DTensor):  # torch's own norm of the sharded gradients, as raw FSDP2
-        full = total.full_tensor()  # replicated: every rank's value, no communication
-        if error_if_nonfinite and not bool(torch.isfinite(full)):
-            _raise_nonfinite(model, norm_type, full)  # before any gradient changes
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
-        return full
-    if error_if_nonfinite and not bool(torch.isfinite(total)):
-        _raise_nonfinite(model, norm_type, total)
+    # torch's own norm of sharded gradients is a replicated DTensor: every rank's value, read
+    # without communication; the clip takes the DTensor itself, as raw FSDP2's does
+    full = total.full_tensor() if isinstance(total, DTensor) else total
+    if error_if_nonfinite and not bool(torch.isfinite(full)):  # before any gradient changes
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients of {type(model).__name__} is "
+            f"non-finite ({full.item()}), so it cannot be clipped; look for the nan/inf "
+            "gradient, or pass error_if_nonfinite=False to get the norm back without an error"
+        )
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
-    return total
-
-
-def _raise_nonfinite(model: nn.Module, norm_type: object, total: torch.Tensor) -> None:
-    raise RuntimeError(
-        f"the total norm of order {norm_type} of the gradients of {type(model).__name__} is "
-        f"non-finite ({total.item()}), so it cannot be clipped; look for the nan/inf "
-        "gradient, or pass error_if_nonfinite=False to get the norm back without an error"
-    )
+    return full
 
 
 def _total_norm(grads: list[torch.Tensor], p: float, foreach: bool | None) -> torch.Tensor:
     """The p-norm of all ``grads`` together; sharded (``DTensor``) ones reduced over their mesh.
 
-    Whole gradients go through torch's ``get_total_norm``. Sharded ones are grouped by mesh
-    and sharded dimensions: each rank takes the norm of its local shards (empty ones left
-    out), and the p-th powers (or, for ``inf``, the maxima) are all-reduced over the mesh
-    dimensions they are sharded on. (torch's ``get_total_norm`` on the ``DTensor``s themselves
-    fails for the inf norm when a rank's shard is empty, as FSDP2's shards of small tensors
-    are.)
+    Whole gradients go through torch's ``get_total_norm``, and so do sharded ones where it can
+    take them (:func:`_torch_reduces`; a finite p): a replicated ``DTensor`` comes back.
+    Otherwise sharded ones are grouped by mesh and sharded dimensions: each rank takes the norm
+    of its local shards (empty ones left out), and the p-th powers (or, for ``inf``, the
+    maxima) are all-reduced over the mesh dimensions they are sharded on. (torch's
+    ``get_total_norm`` on the ``DTensor``s themselves fails for the inf norm when a rank's
+    shard is empty, as FSDP2's shards of small tensors are.)
     """
     inf = math.isinf(p)
     whole: list[torch.Tensor] = []
@@ -102,7 +96,7 @@ def _total_norm(grads: list[torch.Tensor], p: float, foreach: bool | None) -> to
             whole.append(grad)
     if not sharded:  # DDP, one process: torch's own computation, nothing added
         return torch.nn.utils.get_total_norm(whole, p, False, foreach)
-    if not whole and not inf and _torch_reduces(grads, sharded):
+    if not whole and not inf and _torch_reduces(sharded):
         # NOTE: torch's own norm of the DTensor gradients, so that the clip (and the weights)
         # are bit-identical to raw FSDP2's clip_grad_norm_; the reduction below differs from
         # it in the last bit on some steps (its per-rank sums are added in another order).
@@ -120,9 +114,7 @@ def _total_norm(grads: list[torch.Tensor], p: float, foreach: bool | None) -> to
     return total if inf else total.pow(1.0 / p)
 
 
-def _torch_reduces(
-    grads: list[torch.Tensor], sharded: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]]
-) -> bool:
+def _torch_reduces(sharded: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]]) -> bool:
     """Whether torch's ``get_total_norm`` can take these ``DTensor`` gradients as they are.
 
     One mesh and sharding, and the shards on the mesh's device type (an offloaded host shard
@@ -137,9 +129,7 @@ def _torch_reduces(
         return False
     ((mesh, _), local) = next(iter(sharded.items()))
     device_type = str(mesh.device_type)
-    return all(t.device.type == device_type for t in local) and all(
-        isinstance(g, DTensor) for g in grads
-    )
+    return all(t.device.type == device_type for t in local)
 
 
 def reduce_device(mesh: Any, where: torch.device) -> torch.device:
