@@ -358,7 +358,7 @@ def _kill_in_save(name: str) -> None:
 
     def then_die(self: Any, plan: Any, planner: Any) -> Any:
         done = write_data(self, plan, planner)
-        if self.claim.target.name == name:
+        if self.partial.name.startswith(f".{name}.partial-"):  # the save of ``name``
             done.wait()
             os.kill(os.getpid(), signal.SIGKILL)
         return done

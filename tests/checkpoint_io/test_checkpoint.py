@@ -67,18 +67,18 @@ def test_failed_save_raises_everywhere_and_keeps_the_old(two_ranks: Any) -> None
     results, _ = two_ranks
     assert results[1]["failed_save"] == "OSError: disk quota exceeded (simulated on rank 1)"
     assert results[0]["failed_save"].startswith(
-        "CheckpointError: collecting the state to save failed on rank(s) [1]"
+        "CheckpointError: preparing the save failed on rank(s) [1]"
     )
-    # No collective of checkpoint-io's own: the failures travel in DCP's plans, as data, so
-    # an error that cannot be pickled back reaches every rank too (it hung the other rank
-    # when it travelled as the exception object), and rank 0's refusal is raised everywhere.
+    # One agreement before DCP's first collective: the failures travel as data (a type name
+    # and a message), so an error that cannot be pickled back reaches every rank too (it hung
+    # the other rank when it travelled as the exception object), and rank 0's refusal is
+    # raised everywhere.
     assert results[1]["failed_save_two_part"] == "TwoPartError: lost at rank 1"
     assert results[0]["failed_save_two_part"] == (
-        "CheckpointError: collecting the state to save failed on rank(s) [1]; rank 1: lost at "
-        "rank 1"
+        "CheckpointError: preparing the save failed on rank(s) [1]; rank 1: lost at rank 1"
     )
     assert results[0]["failed_save_exists"].startswith("FileExistsError: '")
-    assert results[1]["failed_save_exists"].startswith("FileExistsError: claiming '")
+    assert results[1]["failed_save_exists"].startswith("FileExistsError: preparing the save")
     assert "failed on rank(s) [0]; rank 0: '" in results[1]["failed_save_exists"]
     # Under FSDP the failing rank plans no shard: DCP's own check of the merged plans would
     # have named rank 0 and a missing shard instead of rank 1 and its error.
@@ -864,13 +864,12 @@ def test_staging_pins_exact_sizes_once_and_unpins_what_it_drops(
 
 
 def test_a_background_save_whose_directory_cannot_be_made_raises(tmp_path: Path) -> None:
-    """The directory is made in the background save's planning: a failure there raises from
-    wait() (it returned the path while nothing was written), and nothing is left behind."""
+    """The directory is made before the save's agreement: a failure there raises from the call
+    itself (before anything is staged for the background), and nothing is left behind."""
     blocked = tmp_path / "a-file"
     blocked.write_text("not a directory")
-    pending = async_save_checkpoint(blocked / "ckpt", nn.Linear(2, 2), rng=False)
     with pytest.raises(NotADirectoryError):
-        pending.wait()
+        async_save_checkpoint(blocked / "ckpt", nn.Linear(2, 2), rng=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
     assert save_checkpoint(tmp_path / "next", nn.Linear(2, 2), rng=False).is_dir()
 
@@ -914,7 +913,6 @@ def test_the_writer_writes_on_this_ranks_device(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from checkpoint_io._claim import SaveClaim
     from checkpoint_io._storage.writer import SafeWriter
     from fake_accelerator import FakeAccelerator, patch_device_module
 
@@ -928,8 +926,7 @@ def test_the_writer_writes_on_this_ranks_device(
             return super().resolve_data(write_item)
 
     def save(device: torch.device | None, folder: Path) -> None:
-        claim = SaveClaim(folder, overwrite=True, partial=folder)
-        writer = SafeWriter(claim, lambda root: {}, lambda tables: None, device=device)
+        writer = SafeWriter(folder, lambda root: {}, lambda tables: None, device=device)
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore", UserWarning)
             dcp.save({"w": torch.ones(3)}, storage_writer=writer, planner=Recording(), no_dist=True)

@@ -34,6 +34,16 @@ def check_stateful(stateful: object) -> None:
             )
 
 
+def check_model_optimizer(model: object, optimizer: object) -> None:
+    """``model`` is a module; ``optimizer`` is ``None`` or an optimizer."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+
+
 def begin(
     path: object,
     model: object,
@@ -52,12 +62,7 @@ def begin(
     """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__} ({path!r})")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
-        )
+    check_model_optimizer(model, optimizer)
     if step is not None and (isinstance(step, bool) or not isinstance(step, int)):
         raise TypeError(f"step must be an int or None, got {type(step).__name__} ({step!r})")
     if extra is not None:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from checkpoint_io._compat import default_group_timeout
 from checkpoint_io._errors import CheckpointError
 from dist_core import agree as _agree
-from dist_core import agreed_error, is_distributed, rank
+from dist_core import is_distributed, rank
 
 _T = TypeVar("_T")
 
@@ -36,15 +36,6 @@ def agree(
 
 
 _KINDS = {"FileNotFoundError": FileNotFoundError, "FileExistsError": FileExistsError}
-
-
-def agreed(what: str, failed: dict[int, tuple[str, str]]) -> Exception:
-    """What a rank that did not fail raises, given each failing rank's type name and message.
-
-    The same as :func:`agree` raises: ``FileNotFoundError`` and ``FileExistsError`` as
-    themselves, anything else as :class:`CheckpointError`, naming the failing ranks.
-    """
-    return agreed_error(what, failed, kinds=_KINDS, default=CheckpointError)
 
 
 def from_rank0(value: _T, group: dist.ProcessGroup | None = None) -> _T:

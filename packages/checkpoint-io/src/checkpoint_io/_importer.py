@@ -10,9 +10,11 @@ format 4, in one process. Use it only for checkpoints you trust.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from checkpoint_io import _compat
-from checkpoint_io._claim import ClaimPlanner, SaveClaim
+from checkpoint_io._claim import ClaimPlanner, claim, partial_for
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._rng import rng_tensors
 from checkpoint_io._save import seal
@@ -124,12 +126,15 @@ def import_checkpoint(
                 )
         return table
 
-    claim = SaveClaim(target, overwrite=False, manifest=manifest)
-    writer = SafeWriter(claim, side_files, lambda tables: seal(claim, tables))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        dcp_save(dcp_state, storage_writer=writer, planner=ClaimPlanner(), no_dist=True)
-    claim.raise_failure()
+    partial = partial_for(target, False, claim(target))
+    writer = SafeWriter(partial, side_files, functools.partial(seal, partial, target, manifest))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_save(dcp_state, storage_writer=writer, planner=ClaimPlanner(), no_dist=True)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     return target
 
 

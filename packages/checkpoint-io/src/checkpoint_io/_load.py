@@ -11,11 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from checkpoint_io._arguments import check_stateful
-from checkpoint_io._collective import agree, single_process_quiet
-from checkpoint_io._compat import CheckpointException
+from checkpoint_io._arguments import check_model_optimizer, check_stateful
+from checkpoint_io._collective import agree
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._model import (
     check_model_keys,
@@ -41,8 +39,8 @@ from checkpoint_io._storage.manifest import (
     PathLike,
     info_from,
 )
-from checkpoint_io._storage.planners import SafeLoadPlanner, refusal
-from checkpoint_io._storage.reader import SafeReader
+from checkpoint_io._storage.planners import SafeLoadPlanner
+from checkpoint_io._storage.reader import read_into
 from dist_core import compute_device, log_rank0, rank, strategy_of, world_size
 
 logger = logging.getLogger(__name__)
@@ -100,39 +98,18 @@ def load_checkpoint(
         TypeError: If an argument has the wrong type.
     """
     started = time.perf_counter()
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
-        )
+    check_model_optimizer(model, optimizer)
     check_stateful(stateful)
     root = Path(str(path))
     failure: BaseException | None = None
     plan: dict[str, Any] = {}
-    try:
+    try:  # into staging, on this rank alone: each file read once, checked from the bytes decoded
         require_model_device(model, "load_checkpoint")
-        plan = _prepare(root, model, optimizer, stateful, strict=strict, rng=rng, verify=verify)
+        plan = _read(root, model, optimizer, stateful, strict=strict, rng=rng, verify=verify)
     except Exception as error:
         failure = error
     agree(failure, f"reading {str(root)!r}")
     staged = plan["target"]
-
-    def check_staged() -> None:  # what needs the values: before the first change, every rank
-        _check_staged(root, model, optimizer, plan)
-
-    try:  # into staging: each file read once, checked from the bytes decoded
-        with single_process_quiet():
-            reader = SafeReader(plan["files"], plan["metadata"], check_staged)
-            dcp_load(staged, storage_reader=reader, planner=SafeLoadPlanner())
-    except CheckpointException as error:
-        refused = refusal(error)
-        if refused is not None:
-            raise refused from None
-        raise CheckpointError(
-            f"reading {str(root)!r} failed: the checkpoint is truncated or corrupt "
-            f"({_last_line(error)}); nothing was loaded"
-        ) from None
     # Everything read and checked on every rank: now change the state. The stateful objects
     # first: their load_state_dict is user code, the one step that may still raise (it then
     # puts back the objects it loaded), and nothing else has changed yet.
@@ -159,7 +136,7 @@ def load_checkpoint(
     return info
 
 
-def _prepare(
+def _read(
     root: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -169,14 +146,12 @@ def _prepare(
     rng: bool,
     verify: bool,
 ) -> dict[str, Any]:
-    """Read and check everything that can be checked before the data; build the staging.
+    """Check everything that can be checked before the data, then read it into staging.
 
     The staging holds fresh tensors shaped like the model's and the optimizer's (on their
-    devices): the load reads into it, and the model is untouched until everything was read
-    and checked.
+    devices): the model is untouched until everything was read and checked, on every rank.
     """
     manifest, metadata, files = read_checked(root, verify=verify)
-    info = _checked_info(manifest, root)  # a malformed manifest fails here, not at the end
     current = model_state(model)
     keys = check_model_keys(current, metadata, strict=strict)
     target: dict[str, Any] = {MODEL: {k: template(current[k]) for k in keys}}
@@ -201,40 +176,14 @@ def _prepare(
         )
         if stateful_plan.targets:
             target[STATEFUL] = stateful_plan.targets
-    return {
-        "manifest": manifest,
-        "target": target,
-        "rng": rng_restore(files, manifest, compute_device(model)) if rng else None,
-        "stateful": stateful_plan,
-        "metadata": metadata,
-        "files": files,
-        "info": info,
-    }
-
-
-def _check_staged(
-    root: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: dict[str, Any]
-) -> None:
-    """The checks that need the values read: the optimizer's groups.
-
-    Raises:
-        CheckpointError: Other parameter groups.
-    """
-    staged = plan["target"]
-    if optimizer is not None:
-        groups = saved_param_groups(staged[OPTIM]["param_groups"])
+    restore_rng = rng_restore(files, manifest, compute_device(model)) if rng else None
+    read_into(target, files, metadata, SafeLoadPlanner(), repr(str(root)))
+    if optimizer is not None:  # the one check that needs the values read
+        groups = saved_param_groups(target[OPTIM]["param_groups"])
         check_optimizer_groups(model, optimizer, groups)
-
-
-def _checked_info(manifest: dict[str, Any], root: Path) -> CheckpointInfo:
-    try:
-        return info_from(manifest, root)
-    except (KeyError, TypeError, ValueError) as error:
-        raise CheckpointError(
-            f"{root}'s manifest is malformed ({type(error).__name__}: {error}); nothing was loaded"
-        ) from None
-
-
-def _last_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[-1] if text else type(error).__name__
+    return {
+        "target": target,
+        "rng": restore_rng,
+        "stateful": stateful_plan,
+        "info": info_from(manifest, root),
+    }

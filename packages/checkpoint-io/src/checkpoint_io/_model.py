@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -12,9 +12,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
-from checkpoint_io._collective import from_rank0
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._storage.manifest import MODEL
 from checkpoint_io._storage.tiling import saved_entries
@@ -22,7 +20,6 @@ from dist_core import (
     compute_device,
     is_distributed,
     local_tensor,
-    rank,
     require_current_device,
     state_groups,
     unwrap_model,
@@ -120,28 +117,6 @@ def check_model_keys(
 def local_fingerprint(state: Mapping[str, torch.Tensor]) -> str:
     """``state_fingerprint`` of a state without ``DTensor``s, in this process (no collective)."""
     return state_fingerprint((name, state[name]) for name in sorted(state))
-
-
-def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
-    """``state_fingerprint`` of the full tensors of ``state``, the same on every rank (collective).
-
-    Sharded tensors are gathered one at a time (every rank takes part); rank 0 hashes. Used
-    only to verify checkpoints of format 1, which recorded this value.
-    """
-
-    def full() -> Iterator[tuple[str, torch.Tensor]]:
-        for name in sorted(state):
-            tensor = state[name]
-            yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-    if rank() == 0:
-        value = state_fingerprint(full())
-    else:
-        if any(isinstance(t, DTensor) for t in state.values()):
-            for _ in full():
-                pass
-        value = ""
-    return from_rank0(value)
 
 
 def model_class(model: nn.Module) -> str:

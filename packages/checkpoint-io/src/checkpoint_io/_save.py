@@ -1,10 +1,10 @@
 """``save_checkpoint``, top to bottom: check, collect, claim, write with DCP, publish.
 
-Atomic, collective, portable: every rank collects its state (no collective), DCP plans the
-write and the ranks settle the temporary directory in its planning (a failure on any rank
-travels there: nothing is written, every rank raises), each rank writes its files, and rank 0
-publishes the checkpoint at DCP's commit (manifest, every file flushed, one rename, the parent
-flushed, only then the old checkpoint removed).
+Atomic, collective, portable: every rank collects its state (no collective), the ranks agree
+on the temporary directory (a failure on any rank raises on every rank there: nothing is
+written), DCP plans the write, each rank writes its files, and rank 0 publishes the
+checkpoint at DCP's commit (manifest, every file flushed, one rename, the parent flushed,
+only then the old checkpoint removed).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from checkpoint_io._arguments import begin
-from checkpoint_io._claim import ClaimPlanner, SaveClaim
+from checkpoint_io._claim import ClaimPlanner, claim_now
 from checkpoint_io._collective import single_process_quiet
 from checkpoint_io._compat import CheckpointException, dcp_failure
 from checkpoint_io._errors import CheckpointError
@@ -140,30 +140,30 @@ def _write(
 ) -> None:
     state: dict[str, Any] = {}
     parts: StatefulParts | None = None
-    rng_state = device = None
-    claim = SaveClaim(target, overwrite)
-    try:  # a failure travels in DCP's plans: no rank writes, every rank raises
+    rng_state = failure = None
+    try:  # collected on every rank, then agreed: a failure anywhere raises everywhere
         state, parts = collect_state(model, optimizer, stateful)
-        claim.manifest = new_manifest(model, optimizer, step, extra, parts, rng)
-        claim.parts = parts
-        device = compute_device(model)
-        rng_state = capture_rng_state(device) if rng else None
+        rng_state = capture_rng_state(compute_device(model)) if rng else None
     except Exception as error:
-        claim.failure, state = error, {}
+        failure = error
+    partial = claim_now(target, overwrite, failure, parts)
+    manifest = new_manifest(model, optimizer, step, extra, parts, rng)
     # this rank waits on the write: no zip CRC32 for the tensor records (their digests are)
-    writer = publishing_writer(claim, rng_state, parts, device=device)
+    writer = publishing_writer(target, partial, manifest, rng_state, parts, compute_device(model))
     try:
-        try:
-            with single_process_quiet(), on_device(bound_device()):  # NCCL: the group's own
-                # published at DCP's commit
-                dcp_save(state, storage_writer=writer, planner=ClaimPlanner())
-        except CheckpointException as error:  # a BaseException: make it an Exception
-            raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
-        claim.raise_failure()  # a rank failed to collect: nothing was written
+        with single_process_quiet(), on_device(bound_device()):  # NCCL: the group's own
+            dcp_save(state, storage_writer=writer, planner=ClaimPlanner())  # published at commit
+    except CheckpointException as error:  # a BaseException: make it an Exception
+        _discard(partial)
+        raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
     except BaseException:
-        if rank() == 0 and claim.partial is not None:
-            shutil.rmtree(claim.partial, ignore_errors=True)
+        _discard(partial)
         raise
+
+
+def _discard(partial: Path) -> None:
+    if rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def collect_state(
@@ -219,24 +219,24 @@ def new_manifest(
 
 
 def publishing_writer(
-    claim: SaveClaim,
+    target: Path,
+    partial: Path,
+    manifest: dict[str, Any],
     rng_state: RngState | None,
     parts: StatefulParts | None,
-    *,
     device: torch.device | None,
 ) -> SafeWriter:
-    """DCP's writer for ``claim``'s save that publishes it when DCP commits.
+    """DCP's writer into ``partial`` that publishes it at ``target`` when DCP commits.
 
-    The ranks settle the temporary directory in DCP's planning (:class:`SaveClaim`); each
-    writes its RNG and stateful files, then its data file; once the index is written, rank 0
-    adds the file tables to the manifest, flushes everything to the disk and renames the
-    temporary directory to the target. A failure anywhere is raised on every rank (by DCP, or
-    by the claim once DCP returns), and nothing is published.
+    Each rank writes its RNG and stateful files, then its data file; once the index is
+    written, rank 0 adds the file tables to ``manifest``, flushes everything to the disk and
+    renames ``partial`` to ``target``. A failure anywhere is raised on every rank by DCP, and
+    nothing is published.
     """
     return SafeWriter(
-        claim,
+        partial,
         functools.partial(_side_files, rng_state, parts),
-        functools.partial(seal, claim),
+        functools.partial(seal, partial, target, manifest),
         device=device,
     )
 
@@ -254,11 +254,8 @@ def _side_files(rng_state: RngState | None, parts: StatefulParts | None, root: P
     return table
 
 
-def seal(claim: SaveClaim, tables: list[FileTable]) -> None:
+def seal(partial: Path, target: Path, manifest: dict[str, Any], tables: list[FileTable]) -> None:
     """On rank 0, once every rank's files are written: the manifest, then the publish."""
-    partial, target, manifest = claim.partial, claim.target, claim.manifest
-    if partial is None:  # DCP publishes only after the plans are settled
-        raise RuntimeError("the save's directory was not settled before publishing")
     table: FileTable = {INDEX_FILE: {**file_entry(partial / INDEX_FILE), "rank": 0}}
     for writer_rank, each in enumerate(tables):
         table.update({name: {**entry, "rank": writer_rank} for name, entry in each.items()})

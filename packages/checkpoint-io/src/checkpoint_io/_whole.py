@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from checkpoint_io import _compat
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._model import local_fingerprint
 from checkpoint_io._storage.files import CheckpointFiles, read_checked
 from checkpoint_io._storage.manifest import MODEL
-from checkpoint_io._storage.planners import SafeLoadPlanner, SafeWholePlanner, refusal
-from checkpoint_io._storage.reader import SafeReader
+from checkpoint_io._storage.planners import SafeLoadPlanner, SafeWholePlanner
+from checkpoint_io._storage.reader import read_into
 from checkpoint_io._storage.tiling import saved_entries
 from hf_io import KeyMap, export_tensors
 
@@ -40,20 +38,8 @@ def _read_whole(root: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """The manifest, and every entry of the checkpoint as plain tensors and values."""
     manifest, metadata, files = read_checked(root, verify=True)
     whole: dict[str, Any] = {}
-    _load(whole, SafeReader(files, metadata), SafeWholePlanner(), str(root))  # type: ignore[no-untyped-call]
+    read_into(whole, files, metadata, SafeWholePlanner(), repr(str(root)))  # type: ignore[no-untyped-call]
     return manifest, whole
-
-
-def _load(state: dict[str, Any], reader: SafeReader, planner: Any, what: str) -> None:
-    """DCP's load in this process, any failure one :class:`CheckpointError`."""
-    try:
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
-            warnings.simplefilter("ignore", UserWarning)
-            _compat.load_in_process(state, reader, planner)
-    except CheckpointError:
-        raise
-    except (Exception, _compat.CheckpointException) as error:  # the latter: a BaseException
-        raise refusal(error) or CheckpointError(f"reading {what} failed ({error})") from None
 
 
 def consolidate_checkpoint(
@@ -129,8 +115,8 @@ class SavedModel:
         """
         dtype, shape = self.tensors[name]
         state = {MODEL: {name: torch.empty(shape, dtype=dtype)}}
-        reader = SafeReader(self._files, self._metadata)
-        _load(state, reader, SafeLoadPlanner(), f"{name!r} from {str(self.path)!r}")
+        what = f"{name!r} from {str(self.path)!r}"
+        read_into(state, self._files, self._metadata, SafeLoadPlanner(), what)
         return state[MODEL][name]
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from checkpoint_io._arguments import begin
 from checkpoint_io._background.inflight import PendingCheckpoint, track
 from checkpoint_io._background.staging import replicated_share, stage
-from checkpoint_io._claim import ClaimPlanner, SaveClaim, claim_now
+from checkpoint_io._claim import ClaimPlanner, claim_now
 from checkpoint_io._collective import (
     gloo_group,
     quiet_single_process_notice_in_background,
@@ -106,12 +106,7 @@ def start_async_save(
     partial = claim_now(target, overwrite, failure, parts, layout)
     manifest = new_manifest(model, optimizer, step, extra, parts, rng)
     group = gloo_group("background")
-    writer = publishing_writer(
-        SaveClaim(target, overwrite, manifest=manifest, partial=partial),
-        rng_state,
-        parts,
-        device=compute_device(model),
-    )
+    writer = publishing_writer(target, partial, manifest, rng_state, parts, compute_device(model))
     quiet_single_process_notice_in_background()
     with single_process_quiet():
         upload = async_save_staged(
@@ -127,7 +122,6 @@ def start_async_save(
                 upload.result()  # published when DCP commits, which raises on every rank
             except CheckpointException as error:  # a BaseException: make it an Exception
                 raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
-            writer.claim.raise_failure()  # rank 0 could not make the directory: nothing written
             if after_publish is not None and rank() == 0:
                 after_publish()
         except BaseException:

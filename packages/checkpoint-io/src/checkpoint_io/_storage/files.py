@@ -20,11 +20,11 @@ from typing import Any, BinaryIO, NoReturn
 from torch.distributed.checkpoint.metadata import Metadata
 
 from checkpoint_io._errors import CheckpointError, escaped, inside, open_regular
-from checkpoint_io._storage.digest import RECORDS, Digest, check_sizes, record_digest
+from checkpoint_io._storage.digest import check_sizes
 from checkpoint_io._storage.index import decode_index
 from checkpoint_io._storage.manifest import INDEX_FILE, MANIFEST, read_manifest
-from checkpoint_io._storage.tiling import check_files, check_index
-from safe_store import MAX_HEADER_BYTES, parse_header
+from checkpoint_io._storage.tiling import check_index
+from safe_store import ALGORITHM, MAX_HEADER_BYTES, RECORDS, parse_header, record_digest
 
 Span = tuple[int, int]  # (offset, length) of a record in its file
 
@@ -73,13 +73,15 @@ class CheckpointFiles:
         if len(data) != size:
             _short(self.root / name, len(data), size)
         if self.verify:
-            digest = Digest(self.table[name])
-            digest.update(data)
-            _check(self.root, name, digest.found(), digest.expected)
+            _check(self.root, name, record_digest(data), str(self.table[name][ALGORITHM]))
         return data
 
     def read_records(
-        self, name: str, spans: list[Span], each: Callable[[int, memoryview], None]
+        self,
+        name: str,
+        spans: list[Span],
+        each: Callable[[int, memoryview], None],
+        into: Callable[[int], Any] | None = None,
     ) -> None:
         """Hand the bytes of each record of data file ``name`` to ``each``, in file order.
 
@@ -88,6 +90,8 @@ class CheckpointFiles:
             spans: The records; identical ones are the caller's to merge.
             each: Called with ``(index into spans, the record's bytes)``, valid until it
                 returns.
+            into: The writable buffer of the record's size to read record ``index`` into
+                (``None``: this reader's own).
 
         Raises:
             CheckpointError: As :meth:`read`; a header safetensors would refuse, a record that
@@ -117,7 +121,7 @@ class CheckpointFiles:
                         "not one of the file's tensors (by its header); corrupt or crafted"
                     )
                 stream.seek(span[0])
-                data = _take(stream, buffer, span[1], file)
+                data = _take(stream, buffer, span[1], file, None if into is None else into(index))
                 self._verify(name, span, data, known)
                 each(index, data)
 
@@ -187,11 +191,16 @@ class _Buffer:
         self.data = bytearray(size)
 
 
-def _take(stream: BinaryIO, buffer: _Buffer, length: int, file: Path) -> memoryview:
-    """The next ``length`` bytes of ``stream``, in ``buffer`` (valid until its next take)."""
-    if len(buffer.data) < length:
-        buffer.data = bytearray(length)
-    view = memoryview(buffer.data)[:length]
+def _take(
+    stream: BinaryIO, buffer: _Buffer, length: int, file: Path, into: Any = None
+) -> memoryview:
+    """The next ``length`` bytes of ``stream``, in ``into`` or ``buffer`` (until the next)."""
+    if into is not None:
+        view = memoryview(into).cast("B")
+    else:
+        if len(buffer.data) < length:
+            buffer.data = bytearray(length)
+        view = memoryview(buffer.data)[:length]
     done = 0
     while done < length:
         got = stream.readinto(view[done:])  # type: ignore[attr-defined]
@@ -224,6 +233,5 @@ def read_checked(root: Path, *, verify: bool) -> tuple[dict[str, Any], Metadata,
     files = CheckpointFiles(root, manifest, verify=verify)
     metadata = decode_index(files.read(INDEX_FILE), root / INDEX_FILE)
     check_index(root, metadata, manifest)
-    check_files(root, metadata)
     check_sizes(root, files.table)
     return manifest, metadata, files

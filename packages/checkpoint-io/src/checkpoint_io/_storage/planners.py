@@ -42,20 +42,6 @@ class SafeWholePlanner(_JsonBytes, EmptyStateDictLoadPlanner):
     """DCP's planner that rebuilds the whole state from the index, values from JSON."""
 
 
-def refusal(error: BaseException) -> CheckpointError | None:
-    """The :class:`CheckpointError` inside a DCP failure (DCP wraps what a rank raised)."""
-    if isinstance(error, CheckpointError):
-        return error
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict):
-        for failure in failures.values():
-            found = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(found, CheckpointError):
-                return found
-    cause = error.__cause__ or error.__context__
-    return refusal(cause) if cause is not None else None
-
-
 class Whole:
     """A value DCP keeps as one entry (it would walk into a list of dicts, key by key).
 

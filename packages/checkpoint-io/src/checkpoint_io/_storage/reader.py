@@ -10,7 +10,6 @@ value that is not a tensor comes from the index, as JSON, to the planner's ``loa
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,9 +18,47 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from checkpoint_io import _compat
 from checkpoint_io._errors import CheckpointError, shown
 from checkpoint_io._storage.files import CheckpointFiles
 from checkpoint_io._storage.index import Record, Value
+
+
+def read_into(
+    state: dict[str, Any],
+    files: CheckpointFiles,
+    metadata: Metadata,
+    planner: LoadPlanner,
+    what: str,
+) -> None:
+    """DCP's load of ``state`` from the checkpoint, in this process (no collective).
+
+    Raises:
+        CheckpointError: A refusal as itself; any other failure of the read (a file cut
+            short or changed under the load) as one naming ``what``.
+    """
+    try:
+        _compat.load_in_process(state, SafeReader(files, metadata), planner)
+    except (Exception, _compat.CheckpointException) as error:  # the latter: a BaseException
+        refused = _refusal(error)
+        if refused is not None:
+            raise refused from None
+        raise CheckpointError(
+            f"reading {what} failed: the checkpoint is truncated or corrupt "
+            f"({type(error).__name__}: {error}); nothing was loaded"
+        ) from None
+
+
+def _refusal(error: BaseException) -> CheckpointError | None:
+    """The :class:`CheckpointError` inside a DCP failure (DCP wraps what its steps raise)."""
+    if isinstance(error, CheckpointError):
+        return error
+    for failure in (getattr(error, "failures", None) or {}).values():
+        found = failure[0] if isinstance(failure, tuple) else failure  # (error, traceback)
+        if isinstance(found, CheckpointError):
+            return found
+    cause = error.__cause__ or error.__context__
+    return _refusal(cause) if cause is not None else None
 
 
 class SafeReader(StorageReader):
@@ -30,20 +67,12 @@ class SafeReader(StorageReader):
     Args:
         files: The checkpoint's files.
         metadata: Its index, read and checked by :func:`read_checked`.
-        after_read: Checks what this rank read, once it is all read: what it raises, DCP
-            raises on every rank (in the collective that ends its read, with no other).
     """
 
-    def __init__(
-        self,
-        files: CheckpointFiles,
-        metadata: Metadata,
-        after_read: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, files: CheckpointFiles, metadata: Metadata) -> None:
         super().__init__()
         self.files = files
         self._metadata = metadata
-        self._after_read = after_read
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """Nothing kept between loads."""
@@ -84,17 +113,48 @@ class SafeReader(StorageReader):
             per_file.setdefault(info.file, {}).setdefault(span, []).append(item)
         for name, records in sorted(per_file.items()):
             spans = list(records)
+            direct = {
+                i: self._direct(records[span], span[1], planner) for i, span in enumerate(spans)
+            }
 
             def each(index: int, data: memoryview, name: str = name, spans: Any = spans) -> None:
                 for item in per_file[name][spans[index]]:
                     self._deliver(item, data, planner, f"{name} at byte {spans[index][0]}")
 
-            self.files.read_records(name, spans, each)
-        if self._after_read is not None:
-            self._after_read()
+            def into(index: int, direct: dict[int, torch.Tensor | None] = direct) -> Any:
+                target = direct[index]
+                return None if target is None else target.reshape(-1).view(torch.uint8).numpy()
+
+            self.files.read_records(name, spans, each, into)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _direct(
+        self, items: list[ReadItem], length: int, planner: LoadPlanner
+    ) -> torch.Tensor | None:
+        """The target a record is read straight into, or ``None`` (read, then copied)."""
+        # NOTE: only a whole chunk into a contiguous host tensor of its dtype and size: the
+        # bytes hashed are then the target's own, and nothing is copied. A device target (a
+        # CUDA staging) or a resharded slice takes the copy.
+        if len(items) != 1 or items[0].type != LoadItemType.TENSOR:
+            return None
+        item = items[0]
+        entry = self._metadata.state_dict_metadata[item.storage_index.fqn]
+        if not isinstance(entry, TensorStorageMetadata) or any(item.storage_offsets):
+            return None
+        sizes = next(c.sizes for c in entry.chunks if c.offsets == item.storage_index.offset)
+        target = planner.resolve_tensor(item).detach()
+        whole = tuple(item.lengths) == tuple(sizes) == tuple(target.shape)
+        if (
+            whole
+            and target.device.type == "cpu"
+            and target.dtype == entry.properties.dtype
+            and target.is_contiguous()
+            and target.numel() * target.element_size() == length
+        ):
+            return target
+        return None
 
     def _deliver(self, item: ReadItem, data: memoryview, planner: LoadPlanner, where: str) -> None:
         """View one record as its chunk, narrow it, copy it into the planner's target."""
@@ -112,6 +172,9 @@ class SafeReader(StorageReader):
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
             tensor = tensor.narrow(dim, start, length)
         target = planner.resolve_tensor(item).detach()
+        if target.data_ptr() == tensor.data_ptr() and len(data):  # read straight into it
+            planner.commit_tensor(item, target)
+            return
         if target.size() != tensor.size():
             raise CheckpointError(
                 f"{what} has shape {tuple(tensor.shape)} where the load needs "

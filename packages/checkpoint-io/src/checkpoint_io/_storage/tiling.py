@@ -2,7 +2,7 @@
 
 Each tensor's chunks lie inside it, do not overlap and cover it exactly, and each chunk's
 record holds exactly its raw bytes; every data file the index names is one the manifest
-recorded (a planted file is never read) and long enough. Every reader checks here.
+recorded (a planted file is never read). Every reader checks here.
 """
 
 from __future__ import annotations
@@ -134,24 +134,3 @@ def saved_entries(metadata: Metadata, top: str) -> dict[tuple[Any, ...], Any]:
         if path and path[0] == top:
             found[tuple(path[1:])] = storage
     return found
-
-
-def check_files(root: Path, metadata: Metadata) -> None:
-    """Every data file the index points at is there and long enough (no read needed).
-
-    Raises:
-        CheckpointError: A data file is missing or shorter than its entries (truncated).
-    """
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        if isinstance(info, Record):
-            needed[info.file] = max(needed.get(info.file, 0), info.offset + info.length)
-    for name, end in sorted(needed.items()):
-        file = root / name
-        size = file.stat().st_size if file.is_file() else -1
-        if size < end:
-            found = "missing" if size < 0 else f"{size} bytes, its entries need {end}"
-            raise CheckpointError(
-                f"the checkpoint is truncated or corrupt: data file {shown(name)} is {found}; "
-                "save it again (or restore it from a copy)"
-            )

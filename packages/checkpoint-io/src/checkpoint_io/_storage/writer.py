@@ -6,9 +6,8 @@ Each rank writes one data file, ``rank<r>.safetensors``: the tensors DCP planned
 sharding offsets, so torch's own ``HuggingFaceStorageReader`` reads the tensors too. Values
 that are not tensors travel to the coordinator in the write results as safe-store's JSON and
 land in ``index.json`` with DCP's index. Each rank's RNG and stateful files are written
-beside (:func:`write_tensors_file`). Where it writes is settled in DCP's planning
-(:class:`~checkpoint_io._claim.SaveClaim`); when a rank failed before writing, no rank
-writes and the coordinator publishes nothing.
+beside (:func:`write_tensors_file`), into the directory the ranks agreed before DCP began
+(:func:`~checkpoint_io._claim.claim_now`).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from checkpoint_io._claim import Planned, SaveClaim, Share, share_of
 from checkpoint_io._storage.digest import FileTable
 from checkpoint_io._storage.index import Record, Value, encode_index
 from checkpoint_io._storage.manifest import INDEX_FILE
@@ -57,13 +55,13 @@ def write_tensors_file(
 
 
 class SafeWriter(StorageWriter):
-    """DCP's writer of format 4 for ``claim``'s save, publishing it when DCP commits.
+    """DCP's writer of format 4 into ``partial``, publishing it when DCP commits.
 
     DCP may call :meth:`write_data` from a thread of its own (a background save), where the
     current CUDA device is 0 whatever the rank: the writer enters ``device`` around it.
 
     Args:
-        claim: The save's claim: the checkpoint directory and what the ranks settle.
+        partial: The temporary directory the ranks agreed on.
         side_files: Writes this rank's other files (RNG, stateful) into the directory given;
             their table entries.
         publish: Publishes the checkpoint on the coordinator, given every rank's file table.
@@ -72,14 +70,14 @@ class SafeWriter(StorageWriter):
 
     def __init__(
         self,
-        claim: SaveClaim,
+        partial: Path,
         side_files: Callable[[Path], FileTable],
         publish: Callable[[list[FileTable]], None],
         *,
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
-        self.claim = claim
+        self.partial = partial
         self.device = device
         self._side_files = side_files
         self._publish = publish
@@ -89,25 +87,24 @@ class SafeWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        """Any path: the claim settles it."""
+        """Any path: the ranks agreed on it before DCP began."""
         return True
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Nothing to set up (the claim settles the directory in the planning)."""
+        """Nothing to set up (the directory was agreed before DCP began)."""
 
     def storage_meta(self) -> None:
         """No storage metadata: ``index.json`` holds what a reader needs."""
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """This rank's plan, carrying its share of the claim."""
-        return dataclasses.replace(plan, storage_data=Share(self.claim.local()))
+        """DCP's plan as it is."""
+        return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """On the coordinator: the claim settled; each plan gets its data file and the answer."""
-        settled = self.claim.settle([share_of(plan) for plan in plans])
+        """On the coordinator: each rank's plan names its data file."""
         return [
-            dataclasses.replace(plan, storage_data=Planned(data_file(rank), answer))
-            for rank, (plan, answer) in enumerate(zip(plans, settled, strict=True))
+            dataclasses.replace(plan, storage_data=data_file(rank))
+            for rank, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -116,13 +113,9 @@ class SafeWriter(StorageWriter):
         Raises:
             OSError, ValueError: If a file could not be written (DCP raises it everywhere).
         """
-        planned: Planned = plan.storage_data
-        root = self.claim.apply(planned.settled)
+        file, root = str(plan.storage_data), self.partial
         done: Future[list[WriteResult]] = Future()
-        if root is None:
-            done.set_result([])
-            return done
-        root.mkdir(parents=True, exist_ok=True)  # rank 0 made it; a node-local disk needs it
+        root.mkdir(parents=True, exist_ok=True)  # on every rank: a node-local disk needs it
         table = self._side_files(root)
         tensors = [item for item in plan.items if item.type != WriteItemType.BYTE_IO]
         results: list[WriteResult] = []
@@ -131,7 +124,7 @@ class SafeWriter(StorageWriter):
                 offsets = {i.index.fqn: list(i.tensor_data.chunk.offsets) for i in tensors}  # type: ignore[union-attr]
                 sharding = {fqn: {"saved_offsets": at} for fqn, at in offsets.items()}
                 writer = StreamWriter(
-                    root / planned.file,
+                    root / file,
                     [
                         (
                             item.index.fqn,
@@ -150,12 +143,12 @@ class SafeWriter(StorageWriter):
                     for item in tensors:
                         tensor = planner.resolve_data(item)
                         offset, length = writer.write(item.index.fqn, tensor)  # type: ignore[arg-type]
-                        record = Record(planned.file, offset, length)
+                        record = Record(file, offset, length)
                         results.append(WriteResult(item.index, length, record))
                 except BaseException:
                     writer.abort()
                     raise
-                table[planned.file] = writer.close()
+                table[file] = writer.close()
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 text = planner.resolve_data(item).getvalue().decode()  # type: ignore[union-attr]
@@ -164,18 +157,13 @@ class SafeWriter(StorageWriter):
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """On the coordinator: ``index.json``, then ``publish`` with every rank's file table.
-
-        Nothing when a rank failed before writing.
-        """
-        if self.claim.failed or self.claim.partial is None:
-            return
+        """On the coordinator: ``index.json``, then ``publish`` with every rank's file table."""
         tables: list[FileTable] = []
         where: dict[MetadataIndex, Any] = {}
         for each in results:
             tables.append(next((r.storage_data for r in each if r.index == _TABLE), {}))
             where.update({r.index: r.storage_data for r in each if r.index != _TABLE})
-        index = self.claim.partial / INDEX_FILE
+        index = self.partial / INDEX_FILE
         index.write_bytes(encode_index(metadata, where))
         fsync_file(index)
         self._publish(tables)
