@@ -12,6 +12,7 @@ from strategy_config._config import (
     load_distributed_config,
     normalize_dtype_name,
 )
+from strategy_config._fault_tolerance import FaultToleranceConfig
 from strategy_config._hints import did_you_mean
 from strategy_config._recipe import (
     CHECKPOINT_MODES,
@@ -34,6 +35,7 @@ __all__ = [
     "OFFLOAD_MODES",
     "SUPPORTED_DISTRIBUTED_STRATEGIES",
     "DistributedConfig",
+    "FaultToleranceConfig",
     "did_you_mean",
     "is_ddp_strategy",
     "load_distributed_config",

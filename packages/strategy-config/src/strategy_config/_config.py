@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from strategy_config._fault_tolerance import FaultToleranceConfig, check_strategy
 from strategy_config._hints import did_you_mean
 from strategy_config._recipe import normalize_checkpointing, normalize_offload
 from strategy_config._strategy import normalize_distributed_strategy, read_key
@@ -90,6 +91,8 @@ class DistributedConfig:
         compile: Compile each block with ``torch.compile`` (inductor) before the wrap.
         offload: ``"none"`` (the default) or ``"cpu"``: FSDP2's CPU offload of the sharded
             parameters, gradients and optimizer state (FSDP and HSDP only).
+        fault_tolerance: torchft's replica groups (:class:`FaultToleranceConfig`, from a
+            mapping); DDP and HSDP only. ``None`` (the default): a failure stops the job.
     """
 
     strategy: str = "fsdp"
@@ -107,6 +110,7 @@ class DistributedConfig:
     activation_checkpointing: str = "none"
     compile: bool = False
     offload: str = "none"
+    fault_tolerance: FaultToleranceConfig | None = None
 
     _BOOL_FIELDS: ClassVar[tuple[str, ...]] = (
         "broadcast_buffers",
@@ -142,6 +146,9 @@ class DistributedConfig:
             "offload",
             normalize_offload(self.offload, path=_path("offload"), strategy=self.strategy),
         )
+        if self.fault_tolerance is not None:
+            set_(self, "fault_tolerance", FaultToleranceConfig.from_mapping(self.fault_tolerance))
+            check_strategy(self.strategy)
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> DistributedConfig:
