@@ -668,7 +668,7 @@ def test_a_load_that_fails_mid_read_changes_nothing(tmp_path: Path) -> None:
     landed left the model partly loaded. Proves: the last record read fails (an I/O error
     injected in the reader), the load raises and the model, the optimizer and the RNG are
     bit-identical to before, verified or not."""
-    from checkpoint_io._storage.reader import SafeReader
+    from checkpoint_io._storage.files import CheckpointFiles
 
     model, optimizer = trained()
     path = save_checkpoint(tmp_path / "c", model, optimizer, step=1)
@@ -679,18 +679,21 @@ def test_a_load_that_fails_mid_read_changes_nothing(tmp_path: Path) -> None:
     fresh_optimizer.step()
     before, rng = _snapshot(fresh), torch.random.get_rng_state()
     moments = {k: v.clone() for k, v in fresh_optimizer.state[fresh.body.weight].items()}
-    deliver = SafeReader._deliver
+    read_records = CheckpointFiles.read_records
     count = len(json.loads((path / "index.json").read_text())["tensors"])
     delivered: list[int] = []
 
-    def failing(self: SafeReader, *args: Any) -> None:
-        delivered.append(1)
-        if len(delivered) == count:  # every other record has landed
-            raise CheckpointError("the disk went away (simulated)")
-        deliver(self, *args)
+    def failing(self: CheckpointFiles, name: str, spans: Any, each: Any, *rest: Any) -> None:
+        def counting(index: int, data: memoryview) -> None:  # after the record was read
+            delivered.append(1)
+            if len(delivered) == count:  # every other record has landed
+                raise CheckpointError("the disk went away (simulated)")
+            each(index, data)
+
+        read_records(self, name, spans, counting, *rest)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(SafeReader, "_deliver", failing)
+        patch.setattr(CheckpointFiles, "read_records", failing)
         for verify in (True, False):
             delivered.clear()
             with pytest.raises(CheckpointError, match="the disk went away"):

@@ -303,3 +303,58 @@ def test_error_messages_carry_no_terminal_control_bytes(tmp_path: Path) -> None:
         env={**os.environ},
     )  # fmt: skip
     assert done.returncode == 2 and "\x1b" not in done.stderr
+
+
+def test_a_read_that_fails_midway_is_one_line_and_an_interrupt_stays_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP wraps what a read raises with every rank's traceback: the load says it in one
+    line; a KeyboardInterrupt inside the read is raised as itself, not as damage."""
+    from checkpoint_io import save_checkpoint
+    from checkpoint_io._storage.files import CheckpointFiles
+
+    model, optimizer = trained()
+    save_checkpoint(tmp_path / "ck", model, optimizer)
+    fresh, fresh_optimizer = Small(), torch.optim.AdamW(Small().parameters())
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    for raised, expected in (
+        (OSError("the disk went away"), CheckpointError),
+        (KeyboardInterrupt(), KeyboardInterrupt),
+    ):
+
+        def fail(*args: Any, raised: BaseException = raised, **kwargs: Any) -> None:
+            raise raised
+
+        monkeypatch.setattr(CheckpointFiles, "read_records", fail)
+        with pytest.raises(expected) as info:
+            load_checkpoint(tmp_path / "ck", fresh)
+        if expected is CheckpointError:
+            text = str(info.value)
+            assert "\n" not in text and "(OSError: the disk went away)" in text, text
+        assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+    assert not fresh_optimizer.state
+
+
+def test_a_failure_after_the_directory_is_made_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 makes the save's directory before the agreement: a failure collecting the
+    manifest (before), or starting the background write (after), leaves no directory."""
+    from checkpoint_io import _save as save
+    from checkpoint_io import async_save_checkpoint, save_checkpoint
+    from checkpoint_io._background import async_save
+
+    model, optimizer = trained()
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("the manifest could not be built")
+
+    monkeypatch.setattr(save, "new_manifest", broken)
+    with pytest.raises(RuntimeError, match="the manifest could not be built"):
+        save_checkpoint(tmp_path / "ck", model, optimizer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    monkeypatch.setattr(async_save, "async_save_staged", broken)
+    with pytest.raises(RuntimeError, match="the manifest could not be built"):
+        async_save_checkpoint(tmp_path / "ck", model, optimizer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -12,14 +12,13 @@ from checkpoint_io._manager.steps import latest_checkpoint
 from checkpoint_io._model import full_state_dict
 from checkpoint_io._save import save_checkpoint
 from checkpoint_io._storage.manifest import CheckpointInfo
-from checkpoint_io._whole import SavedModel, consolidate_checkpoint, saved_model
+from checkpoint_io._whole import consolidate_checkpoint
 
 __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointManager",
     "PendingCheckpoint",
-    "SavedModel",
     "async_save_checkpoint",
     "consolidate_checkpoint",
     "full_state_dict",
@@ -27,5 +26,4 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
-    "saved_model",
 ]

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import io
-import itertools
 from collections.abc import Iterator, Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from checkpoint_io._compat import set_element
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._model import parameter_names
 from checkpoint_io._storage.manifest import OPTIM
@@ -217,35 +217,6 @@ def _check_paths(paths: list[tuple[object, ...]]) -> None:
                 )
 
 
-def _place(slot: dict[str, Any], keys: tuple[object, ...], leaf: Any) -> None:
-    """Put ``leaf`` at ``keys`` under ``slot``, making the dicts and lists DCP flattened.
-
-    A string key is a dict's, an index a list's (padded with ``None``), as DCP's own loader
-    sets them; the paths were checked by :func:`_check_paths`.
-    """
-    container: Any = slot
-    for key, following in itertools.pairwise(keys):
-        container = _at(container, key, {} if type(following) is str else [], keep=True)
-    _at(container, keys[-1], leaf, keep=False)
-
-
-def _at(container: dict[str, Any] | list[Any], key: object, value: Any, *, keep: bool) -> Any:
-    """What ``container[key]`` holds once set to ``value`` (unless ``keep`` and it holds one).
-
-    A list is padded with ``None`` up to ``key``.
-    """
-    if isinstance(container, list):
-        index = cast(int, key)
-        container.extend([None] * (index + 1 - len(container)))
-        if not keep or container[index] is None:
-            container[index] = value
-        return container[index]
-    name = cast(str, key)
-    if not keep or name not in container:
-        container[name] = value
-    return container[name]
-
-
 def _starts(optimizer: torch.optim.Optimizer) -> Iterator[tuple[int, dict[str, Any]]]:
     start = 0
     for group in optimizer.param_groups:
@@ -289,5 +260,7 @@ def optimizer_template(
         else:  # a scalar step, or a factored statistic: a whole tensor on every rank
             device = "cpu" if len(storage.size) == 0 else local_tensor(param).device
             leaf = torch.empty(tuple(storage.size), dtype=storage.properties.dtype, device=device)
-        _place(state.setdefault(name, {}), keys, leaf)
+        # the dicts and lists DCP flattened, made again as DCP's own loader makes them (a
+        # string key a dict's, an index a list's, padded with None); paths checked above
+        set_element(state, (name, *keys), leaf)
     return {"state": state, "param_groups": io.BytesIO()}

@@ -13,7 +13,7 @@ import functools
 import logging
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -138,30 +138,55 @@ def _write(
     stateful: Mapping[str, Any] | None,
     rng: bool,
 ) -> None:
-    state: dict[str, Any] = {}
-    parts: StatefulParts | None = None
-    rng_state = failure = None
-    try:  # collected on every rank, then agreed: a failure anywhere raises everywhere
-        state, parts = collect_state(model, optimizer, stateful)
-        rng_state = capture_rng_state(compute_device(model)) if rng else None
-    except Exception as error:
-        failure = error
-    partial = claim_now(target, overwrite, failure, parts)
-    manifest = new_manifest(model, optimizer, step, extra, parts, rng)
-    # this rank waits on the write: no zip CRC32 for the tensor records (their digests are)
-    writer = publishing_writer(target, partial, manifest, rng_state, parts, compute_device(model))
+    state, writer = agreed_write(target, overwrite, model, optimizer, step, extra, stateful, rng)
     try:
         with single_process_quiet(), on_device(bound_device()):  # NCCL: the group's own
             dcp_save(state, storage_writer=writer, planner=ClaimPlanner())  # published at commit
     except CheckpointException as error:  # a BaseException: make it an Exception
-        _discard(partial)
+        discard(writer.partial)
         raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
     except BaseException:
-        _discard(partial)
+        discard(writer.partial)
         raise
 
 
-def _discard(partial: Path) -> None:
+def agreed_write(
+    target: Path,
+    overwrite: bool,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int | None,
+    extra: Mapping[str, Any] | None,
+    stateful: Mapping[str, Any] | None,
+    rng: bool,
+    staging: Callable[[dict[str, Any]], tuple[dict[str, Any], str]] | None = None,
+) -> tuple[dict[str, Any], SafeWriter]:
+    """This rank's state (``staging`` applied), collected, agreed, and the writer DCP takes.
+
+    Every rank collects first (no collective), then :func:`claim_now` agrees: a failure on
+    any rank raises on every rank there, before DCP starts.
+    """
+    state: dict[str, Any] = {}
+    parts: StatefulParts | None = None
+    rng_state = failure = None
+    layout = ""
+    manifest: dict[str, Any] = {}
+    try:
+        state, parts = collect_state(model, optimizer, stateful)
+        manifest = new_manifest(model, optimizer, step, extra, parts, rng)
+        rng_state = capture_rng_state(compute_device(model)) if rng else None
+        if staging is not None:
+            state, layout = staging(state)
+    except Exception as error:
+        failure = error
+    partial = claim_now(target, overwrite, failure, parts, layout)
+    if parts is not None:  # every rank's digests, known once agreed
+        manifest["stateful_state"] = parts.manifest()
+    return state, publishing_writer(target, partial, manifest, rng_state, parts, model)
+
+
+def discard(partial: Path) -> None:
+    """On rank 0, remove a save's temporary directory (nothing was published)."""
     if rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
 
@@ -210,7 +235,7 @@ def new_manifest(
         "parameters": sum(p.numel() for p in unwrap_model(model).parameters()),
         "optimizer": optimizer is not None,
         "stateful": [] if parts is None else sorted(parts.classes),
-        "stateful_state": {} if parts is None else parts.manifest(),
+        "stateful_state": {},  # every rank's digests: filled in once the ranks agreed
         "rng": rng,
         "tied": tied_names(model),
         "model_keys": list(unwrap_model(model).state_dict(keep_vars=True)),
@@ -224,7 +249,7 @@ def publishing_writer(
     manifest: dict[str, Any],
     rng_state: RngState | None,
     parts: StatefulParts | None,
-    device: torch.device | None,
+    model: nn.Module,
 ) -> SafeWriter:
     """DCP's writer into ``partial`` that publishes it at ``target`` when DCP commits.
 
@@ -237,7 +262,7 @@ def publishing_writer(
         partial,
         functools.partial(_side_files, rng_state, parts),
         functools.partial(seal, partial, target, manifest),
-        device=device,
+        device=compute_device(model),
     )
 
 

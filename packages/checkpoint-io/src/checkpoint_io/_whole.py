@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._model import local_fingerprint
-from checkpoint_io._storage.files import CheckpointFiles, read_checked
+from checkpoint_io._storage.files import read_checked
 from checkpoint_io._storage.manifest import MODEL
 from checkpoint_io._storage.planners import SafeLoadPlanner, SafeWholePlanner
 from checkpoint_io._storage.reader import read_into
@@ -76,60 +75,6 @@ def consolidate_checkpoint(
         CheckpointError: If it is not a readable checkpoint.
         FileExistsError: If ``out_dir`` exists and ``overwrite`` is false.
     """
-    saved = saved_model(path)
-    return export_tensors(
-        saved.tensors,
-        saved.read,
-        out_dir,
-        tied=saved.tied,
-        key_map=key_map,
-        max_shard_size=max_shard_size,
-        overwrite=overwrite,
-        config_from=config_from,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class SavedModel:
-    """A checkpoint's model tensors, described from the index and read on demand.
-
-    Attributes:
-        path: The checkpoint directory.
-        tensors: Name -> ``(dtype, shape)`` of every model tensor, in the saved model's
-            state-dict order.
-        tied: Groups of names that shared one tensor in the saved model.
-    """
-
-    path: Path
-    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]]
-    tied: tuple[tuple[str, ...], ...]
-    _metadata: Metadata = dataclasses.field(repr=False)
-    _files: CheckpointFiles = dataclasses.field(repr=False)
-
-    def read(self, name: str) -> torch.Tensor:
-        """The whole tensor ``name`` as a CPU tensor (only its chunks are read, verified).
-
-        Raises:
-            KeyError: If the model has no tensor ``name``.
-            CheckpointError: If it cannot be read safely.
-        """
-        dtype, shape = self.tensors[name]
-        state = {MODEL: {name: torch.empty(shape, dtype=dtype)}}
-        what = f"{name!r} from {str(self.path)!r}"
-        read_into(state, self._files, self._metadata, SafeLoadPlanner(), what)
-        return state[MODEL][name]
-
-
-def saved_model(path: str | os.PathLike[str]) -> SavedModel:
-    """Describe the model tensors of the checkpoint at ``path`` (offline, one process).
-
-    Reads the manifest and the index (every file's size checked); ``read`` then reads a
-    tensor's records, each verified against its digest.
-
-    Raises:
-        FileNotFoundError: If ``path`` does not exist.
-        CheckpointError: If it is not a readable checkpoint.
-    """
     root = Path(os.fspath(path))
     manifest, metadata, files = read_checked(root, verify=True)
     tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -142,4 +87,19 @@ def saved_model(path: str | os.PathLike[str]) -> SavedModel:
     tied = manifest["tied"]
     if not all(n in tensors for group in tied for n in group):
         raise CheckpointError(f"{root}'s manifest ties names the model does not have")
-    return SavedModel(root, tensors, tuple(tuple(g) for g in tied), metadata, files)
+
+    def read(name: str) -> torch.Tensor:  # only its chunks, each verified
+        state = {MODEL: {name: torch.empty(tensors[name][1], dtype=tensors[name][0])}}
+        read_into(state, files, metadata, SafeLoadPlanner(), f"{name!r} from {str(root)!r}")
+        return state[MODEL][name]
+
+    return export_tensors(
+        tensors,
+        read,
+        out_dir,
+        tied=tuple(tuple(g) for g in tied),
+        key_map=key_map,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        config_from=config_from,
+    )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -16,7 +15,7 @@ from torch import nn
 from checkpoint_io._arguments import begin
 from checkpoint_io._background.inflight import PendingCheckpoint, track
 from checkpoint_io._background.staging import replicated_share, stage
-from checkpoint_io._claim import ClaimPlanner, claim_now
+from checkpoint_io._claim import ClaimPlanner
 from checkpoint_io._collective import (
     gloo_group,
     quiet_single_process_notice_in_background,
@@ -24,10 +23,9 @@ from checkpoint_io._collective import (
 )
 from checkpoint_io._compat import CheckpointException, async_save_staged, dcp_failure
 from checkpoint_io._errors import CheckpointError
-from checkpoint_io._save import collect_state, new_manifest, publishing_writer
+from checkpoint_io._save import agreed_write, discard
 from checkpoint_io._storage.manifest import PathLike
-from dist_core import compute_device, is_distributed, log_rank0, rank, world_size
-from rng_fork import capture_rng_state
+from dist_core import is_distributed, log_rank0, rank, world_size
 
 logger = logging.getLogger(__name__)
 
@@ -93,25 +91,19 @@ def start_async_save(
     """
     target = begin(path, model, optimizer, step, extra, stateful)
     started = time.perf_counter()
-    state: dict[str, Any] = {}
-    parts = rng_state = failure = None
-    layout = ""
-    try:  # collected and staged, then agreed: a failure on any rank raises everywhere
-        state, parts = collect_state(model, optimizer, stateful)
-        state, layout = replicated_share(state, rank(), world_size())
-        rng_state = capture_rng_state(compute_device(model)) if rng else None
-        state = stage(state)  # host copies, off the tensors training will change
-    except Exception as error:
-        failure = error
-    partial = claim_now(target, overwrite, failure, parts, layout)
-    manifest = new_manifest(model, optimizer, step, extra, parts, rng)
-    group = gloo_group("background")
-    writer = publishing_writer(target, partial, manifest, rng_state, parts, compute_device(model))
-    quiet_single_process_notice_in_background()
-    with single_process_quiet():
-        upload = async_save_staged(
-            state, writer, ClaimPlanner(), group, no_dist=not is_distributed()
-        )
+    state, writer = agreed_write(
+        target, overwrite, model, optimizer, step, extra, stateful, rng, staging=_staged_share
+    )
+    try:  # every rank agreed: from here a failure removes the directory rank 0 made
+        group = gloo_group("background")
+        quiet_single_process_notice_in_background()
+        with single_process_quiet():
+            upload = async_save_staged(
+                state, writer, ClaimPlanner(), group, no_dist=not is_distributed()
+            )
+    except BaseException:
+        discard(writer.partial)
+        raise
     staged_s = time.perf_counter() - started
 
     def complete() -> Path:
@@ -125,8 +117,7 @@ def start_async_save(
             if after_publish is not None and rank() == 0:
                 after_publish()
         except BaseException:
-            if rank() == 0:
-                shutil.rmtree(partial, ignore_errors=True)
+            discard(writer.partial)
             raise
         log_rank0(
             logger,
@@ -142,6 +133,12 @@ def start_async_save(
     pending = PendingCheckpoint(target, _EXECUTOR.submit(complete))
     track(pending)
     return pending
+
+
+def _staged_share(state: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """This rank's share of ``state`` staged in host memory, and the layout ranks compare."""
+    share, layout = replicated_share(state, rank(), world_size())
+    return stage(share), layout
 
 
 # The thread that finishes background saves (one in flight, so one thread).

@@ -25,11 +25,11 @@ from torch import nn
 
 from checkpoint_io._background.async_save import start_async_save
 from checkpoint_io._background.inflight import PendingCheckpoint
-from checkpoint_io._manager.resume import resume_latest
 from checkpoint_io._manager.steps import (
     check_root,
     latest_checkpoint,
     prune,
+    resume_latest,
     step_path,
 )
 from checkpoint_io._manager.stop import Requeue, StopSignals

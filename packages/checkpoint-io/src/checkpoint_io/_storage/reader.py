@@ -43,10 +43,27 @@ def read_into(
         refused = _refusal(error)
         if refused is not None:
             raise refused from None
+        first = _first_failure(error)
+        if not isinstance(first, Exception):  # KeyboardInterrupt, SystemExit: as themselves
+            raise first from None
         raise CheckpointError(
             f"reading {what} failed: the checkpoint is truncated or corrupt "
-            f"({type(error).__name__}: {error}); nothing was loaded"
+            f"({type(first).__name__}: {_one_line(first)}); nothing was loaded"
         ) from None
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    """What a step raised, inside DCP's wrapper (which holds every rank's, with tracebacks)."""
+    failures = getattr(error, "failures", None) or {}
+    if failures:
+        found = failures[min(failures)]
+        return found[0] if isinstance(found, tuple) else found  # type: ignore[no-any-return]
+    return error
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def _refusal(error: BaseException) -> CheckpointError | None:
@@ -112,23 +129,31 @@ class SafeReader(StorageReader):
             span = (info.offset, info.length)
             per_file.setdefault(info.file, {}).setdefault(span, []).append(item)
         for name, records in sorted(per_file.items()):
-            spans = list(records)
-            direct = {
-                i: self._direct(records[span], span[1], planner) for i, span in enumerate(spans)
-            }
-
-            def each(index: int, data: memoryview, name: str = name, spans: Any = spans) -> None:
-                for item in per_file[name][spans[index]]:
-                    self._deliver(item, data, planner, f"{name} at byte {spans[index][0]}")
-
-            def into(index: int, direct: dict[int, torch.Tensor | None] = direct) -> Any:
-                target = direct[index]
-                return None if target is None else target.reshape(-1).view(torch.uint8).numpy()
-
-            self.files.read_records(name, spans, each, into)
+            self._read_file(name, records, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def _read_file(
+        self, name: str, records: dict[tuple[int, int], list[ReadItem]], planner: LoadPlanner
+    ) -> None:
+        """Read data file ``name``'s records, each into its target (straight, or copied)."""
+        spans = list(records)
+        direct = [self._direct(records[span], span[1], planner) for span in spans]
+
+        def each(index: int, data: memoryview) -> None:
+            target, items = direct[index], records[spans[index]]
+            if target is not None:  # read straight into its one target
+                planner.commit_tensor(items[0], target)
+                return
+            for item in items:
+                self._deliver(item, data, planner, f"{name} at byte {spans[index][0]}")
+
+        def into(index: int) -> Any:
+            target = direct[index]
+            return None if target is None else target.reshape(-1).view(torch.uint8).numpy()
+
+        self.files.read_records(name, spans, each, into)
 
     def _direct(
         self, items: list[ReadItem], length: int, planner: LoadPlanner
@@ -148,6 +173,7 @@ class SafeReader(StorageReader):
         whole = tuple(item.lengths) == tuple(sizes) == tuple(target.shape)
         if (
             whole
+            and type(target) is torch.Tensor  # no wrapper subclass: its bytes are its own
             and target.device.type == "cpu"
             and target.dtype == entry.properties.dtype
             and target.is_contiguous()
@@ -172,9 +198,6 @@ class SafeReader(StorageReader):
         for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
             tensor = tensor.narrow(dim, start, length)
         target = planner.resolve_tensor(item).detach()
-        if target.data_ptr() == tensor.data_ptr() and len(data):  # read straight into it
-            planner.commit_tensor(item, target)
-            return
         if target.size() != tensor.size():
             raise CheckpointError(
                 f"{what} has shape {tuple(tensor.shape)} where the load needs "
