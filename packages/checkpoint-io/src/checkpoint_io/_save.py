@@ -114,7 +114,16 @@ def save_checkpoint(
     """
     target = begin(path, model, optimizer, step, extra, stateful)
     started = time.perf_counter()
-    _write(target, overwrite, model, optimizer, step, extra, stateful, rng)
+    state, writer = agreed_write(target, overwrite, model, optimizer, step, extra, stateful, rng)
+    try:
+        with single_process_quiet(), on_device(bound_device()):  # NCCL: the group's own
+            dcp_save(state, storage_writer=writer, planner=ClaimPlanner())  # published at commit
+    except CheckpointException as error:  # a BaseException: make it an Exception
+        discard(writer.partial)
+        raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
+    except BaseException:
+        discard(writer.partial)
+        raise
     log_rank0(
         logger,
         logging.INFO,
@@ -126,28 +135,6 @@ def save_checkpoint(
         time.perf_counter() - started,
     )
     return target
-
-
-def _write(
-    target: Path,
-    overwrite: bool,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    step: int | None,
-    extra: Mapping[str, Any] | None,
-    stateful: Mapping[str, Any] | None,
-    rng: bool,
-) -> None:
-    state, writer = agreed_write(target, overwrite, model, optimizer, step, extra, stateful, rng)
-    try:
-        with single_process_quiet(), on_device(bound_device()):  # NCCL: the group's own
-            dcp_save(state, storage_writer=writer, planner=ClaimPlanner())  # published at commit
-    except CheckpointException as error:  # a BaseException: make it an Exception
-        discard(writer.partial)
-        raise CheckpointError(dcp_failure(f"writing {str(target)!r}", error)) from None
-    except BaseException:
-        discard(writer.partial)
-        raise
 
 
 def agreed_write(

@@ -1,13 +1,10 @@
-"""DCP's index as JSON (``index.json``), checked as untrusted input before anything is read.
+"""DCP's index as JSON (``index.json``), decoded field by field with caps: no code in it.
 
-The index says how big each tensor is, which chunks make it up and where each chunk's bytes
-lie (a data file, an offset, a length), and holds every value that is not a tensor (as
-safe-store's tagged JSON). It is decoded field by field, with caps: nothing in it is code. Then
-it is checked against itself: each tensor's chunks lie inside it, do not overlap and cover it
-exactly; each chunk's record is exactly its raw bytes; a key's path is the one its name says
-(DCP joins a path's parts with dots), with no index past :data:`MAX_PATH_INDEX` (a list is
-rebuilt as long as its largest index, so one huge index would otherwise ask a consolidation
-for a huge allocation); :mod:`.tiling` checks the chunks against their tensors.
+It holds each tensor's size, its chunks and where each chunk's bytes lie (a data file, an
+offset, a length), and every value that is not a tensor (safe-store's tagged JSON). A key's
+path is the one its name says (DCP joins its parts with dots), with no list position past
+:data:`MAX_PATH_INDEX` (a list is rebuilt as long as its largest position);
+:mod:`.tiling` checks the chunks against their tensors.
 """
 
 from __future__ import annotations
