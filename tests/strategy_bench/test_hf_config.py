@@ -120,13 +120,17 @@ def test_the_cost_of_training_follows_each_rows_rate(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Days, GPU-hours and cost are the row's predicted tokens/s per GPU, worked out; the plan
-    names the fastest and the cheapest recommendation that fits."""
-    tokens, price = 1e12, 2.5
+    names the fastest and the cheapest recommendation that fits. With a GPU failing every M
+    hours, each row's failures and its length when each restarts the job (1,500 s lost: the
+    restart and half a checkpoint interval) or heals one group (torchft: heal_s over the
+    groups, plus the step discarded), failures during the loss included."""
+    tokens, price, mtbf = 1e12, 2.5, 20_000.0
     config = _config(tmp_path / "llama-small")
     payload = _estimate(
         tmp_path / "out",
         *("--hf-config", str(config), "--seq-len", "64", "--world-size", "64", "128"),
-        *("--train-tokens", "1e12", "--gpu-hour-price", "2.5"),
+        *("--train-tokens", "1e12", "--gpu-hour-price", "2.5", "--gpu-mtbf-hours", "20000"),
+        *("--checkpoint-every-s", "1800", "--restart-s", "600", "--heal-s", "60"),
     )
     costed = [row for row in payload["rows"] if row.get("train_days")]
     assert {row["world_size"] for row in costed} == {64, 128}
@@ -136,6 +140,20 @@ def test_the_cost_of_training_follows_each_rows_rate(
         assert math.isclose(row["train_days"], seconds / 86_400, rel_tol=1e-9)
         assert math.isclose(row["train_gpu_hours"], seconds * row["world_size"] / 3_600)
         assert math.isclose(row["train_cost"], row["train_gpu_hours"] * price)
+        world, rate = row["world_size"], row["world_size"] / (mtbf * 3_600)
+        assert math.isclose(row["failures"], rate * seconds)
+        restart = seconds / (1 - rate * (600 + 1800 / 2))
+        assert math.isclose(row["restart_days"], restart / 86_400)
+        assert math.isclose(row["restart_gpu_hours"], restart * world / 3_600)
+        groups = {"ddp": world, "hsdp": world // 8, "fsdp": None}[row["strategy"]]
+        assert row["replica_groups"] == groups
+        if groups is None:
+            assert row["heal_days"] is None
+        else:
+            heal = seconds / (1 - rate * (60 / groups + row["predicted_step_ms"] / 1e3))
+            assert math.isclose(row["heal_days"], heal / 86_400)
+            assert row["heal_days"] < row["restart_days"]
+    assert payload["training"]["failures"]["gpu_mtbf_hours"] == mtbf
     chosen = [entry for entry in payload["recommendation"] if entry["strategy"]]
     (plan,) = payload["training"]["plan"]
     assert plan["fastest"]["train_days"] == min(entry["train_days"] for entry in chosen)
@@ -143,6 +161,7 @@ def test_the_cost_of_training_follows_each_rows_rate(
     assert plan["cheapest"]["train_gpu_hours"] == cheapest
     out = capsys.readouterr().out
     assert "days" in out and "GPU-hours" in out and "fastest that fits:" in out
+    assert "with failures (a GPU fails every 20,000 hours" in out and "heal: days" in out
     for strategy in ("ddp", "fsdp", "hsdp"):
         assert any(line.split()[2:3] == [strategy] for line in out.splitlines()), strategy
 
@@ -167,6 +186,15 @@ def test_the_cost_of_training_follows_each_rows_rate(
         (
             ["--gpu", "H100", "--train-tokens", "1e9", "--gpu-hour-price", "-1"],
             "--gpu-hour-price must be a finite price >= 0",
+        ),
+        (["--gpu", "H100", "--gpu-mtbf-hours", "5e4"], "--gpu-mtbf-hours 50000 prices failures"),
+        (
+            ["--gpu", "H100", "--train-tokens", "1e9", "--gpu-mtbf-hours", "0"],
+            "--gpu-mtbf-hours must be a finite number > 0, got 0",
+        ),
+        (
+            ["--gpu", "H100", "--train-tokens", "1e9", "--gpu-mtbf-hours", "9", "--heal-s", "inf"],
+            "--heal-s must be a finite number > 0, got inf",
         ),
     ],
 )

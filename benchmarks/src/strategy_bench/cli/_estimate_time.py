@@ -13,13 +13,17 @@ from strategy_bench._errors import BenchUsageError
 from strategy_bench.cli._args import read_or_usage_error
 from strategy_bench.estimate import (
     DATASHEET_MFU,
+    DEFAULT_CHECKPOINT_EVERY_S,
+    DEFAULT_HEAL_S,
     DEFAULT_INTER_NODE_GBPS,
+    DEFAULT_RESTART_S,
     DeviceMemory,
     EstimateOptions,
     TimeModel,
     accumulation_points,
     annotate_fits,
     calibrated_model,
+    check_failure_args,
     check_train_tokens,
     datasheet_model,
     run_estimate,
@@ -70,6 +74,40 @@ def add_time_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --train-tokens: the price of one GPU for one hour; each row gets the cost",
     )
     parser.add_argument(
+        "--gpu-mtbf-hours",
+        type=float,
+        default=None,
+        metavar="H",
+        help="with --train-tokens: mean hours between failures of one GPU (its node's share "
+        "included); each row gets the run's failures and its days and GPU-hours when a failure "
+        "restarts the job from its last checkpoint, or heals one replica group (torchft: DDP, "
+        "HSDP)",
+    )
+    parser.add_argument(
+        "--checkpoint-every-s",
+        type=float,
+        default=DEFAULT_CHECKPOINT_EVERY_S,
+        metavar="S",
+        help=f"with --gpu-mtbf-hours: seconds between checkpoints (default "
+        f"{DEFAULT_CHECKPOINT_EVERY_S:g}; a restart repeats half of it)",
+    )
+    parser.add_argument(
+        "--restart-s",
+        type=float,
+        default=DEFAULT_RESTART_S,
+        metavar="S",
+        help=f"with --gpu-mtbf-hours: seconds from a failure to the restarted job's first step "
+        f"(default {DEFAULT_RESTART_S:g}: the scheduler, the processes, the load)",
+    )
+    parser.add_argument(
+        "--heal-s",
+        type=float,
+        default=DEFAULT_HEAL_S,
+        metavar="S",
+        help=f"with --gpu-mtbf-hours: seconds from a failure to the failed group's first "
+        f"committed step, healed from a live peer (default {DEFAULT_HEAL_S:g})",
+    )
+    parser.add_argument(
         "--inter-node-gbps",
         type=float,
         default=None,
@@ -83,13 +121,18 @@ def time_model(args: argparse.Namespace, device: DeviceMemory | None) -> TimeMod
     """The time model the arguments ask for: calibrated, from the datasheet, or none.
 
     Raises:
-        BenchUsageError: A bad ``--inter-node-gbps``, ``--assumed-mfu``, ``--train-tokens``
-            or ``--gpu-hour-price``, or calibration results without what the model needs.
+        BenchUsageError: A bad ``--inter-node-gbps``, ``--assumed-mfu``, ``--train-tokens``,
+            ``--gpu-hour-price``, ``--gpu-mtbf-hours`` or its times, or calibration results
+            without what the model needs.
     """
     if args.inter_node_gbps is not None and not args.inter_node_gbps > 0:
         raise BenchUsageError(f"--inter-node-gbps must be positive, got {args.inter_node_gbps:g}")
     try:
         check_train_tokens(args.train_tokens, args.gpu_hour_price)
+        check_failure_args(
+            args.gpu_mtbf_hours, args.train_tokens, args.checkpoint_every_s, args.restart_s,
+            args.heal_s,
+        )  # fmt: skip
     except ValueError as error:
         raise BenchUsageError(str(error)) from None
     if args.train_tokens is not None and not args.calibrate and not args.gpu:

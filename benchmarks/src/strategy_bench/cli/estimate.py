@@ -36,6 +36,7 @@ from strategy_bench.estimate import (
     device_memory,
     estimate_environment,
     estimate_points,
+    failure_cost,
     peak_rss_bytes,
     recommendations,
     run_estimate,
@@ -51,6 +52,7 @@ from strategy_bench.report import (
     agreement_table,
     cost_table,
     estimate_table,
+    failure_table,
     largest_table,
     plan_lines,
     recommendation_table,
@@ -250,6 +252,8 @@ def command(args: argparse.Namespace) -> int:
         if args.train_tokens is not None:
             for item in [*ok_rows(rows), *chosen]:
                 item.update(training_cost(item, args.train_tokens, args.gpu_hour_price))
+                if args.gpu_mtbf_hours is not None:
+                    item.update(failure_cost(item, **_failure_inputs(args)))
             plans = training_plan(chosen)
     checked = agreement(rows, measured)
     payload: dict[str, Any] = {
@@ -266,6 +270,8 @@ def command(args: argparse.Namespace) -> int:
             "gpu_hour_price": args.gpu_hour_price,
             "plan": plans,
         }
+        if args.gpu_mtbf_hours is not None:
+            payload["training"]["failures"] = _failure_inputs(args)
     if args.largest:
         payload["largest"] = largest
     write_json_atomic(out / "estimate.json", payload)
@@ -298,6 +304,13 @@ def command(args: argparse.Namespace) -> int:
         )
         if plans:
             print(plan_lines(plans, args.train_tokens))
+        if args.gpu_mtbf_hours is not None:
+            inputs = _failure_inputs(args)
+            print(
+                f"\nwith failures (a GPU fails every {inputs['gpu_mtbf_hours']:,.0f} hours; "
+                f"checkpoint every {inputs['checkpoint_every_s']:g} s, restart "
+                f"{inputs['restart_s']:g} s, heal {inputs['heal_s']:g} s):\n" + failure_table(rows)
+            )
     elif timing is None:
         print("no step time predicted: give --gpu NAME (datasheet) or --calibrate RESULTS.json")
     if args.compare is not None:
@@ -330,3 +343,14 @@ def command(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def _failure_inputs(args: argparse.Namespace) -> dict[str, Any]:
+    """``failure_cost``'s inputs from the command line."""
+    return {
+        "gpu_mtbf_hours": args.gpu_mtbf_hours,
+        "checkpoint_every_s": args.checkpoint_every_s,
+        "restart_s": args.restart_s,
+        "heal_s": args.heal_s,
+        "gpus_per_node": args.gpus_per_node,
+    }

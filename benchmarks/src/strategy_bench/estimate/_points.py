@@ -49,6 +49,12 @@ class EstimatePoint:
     world_size: int
 
 
+def hsdp_degrees(world: int, gpus_per_node: int) -> tuple[int, int]:
+    """HSDP's ``(replicate, shard)`` as estimated: shard within a node, replicate across."""
+    shard = min(gpus_per_node, world)
+    return max(1, world // shard), shard
+
+
 def spans_nodes(world: int, gpus_per_node: int) -> bool:
     """Whether ``world`` ranks are whole nodes, more than one: where HSDP is estimated."""
     return world > gpus_per_node and world % gpus_per_node == 0

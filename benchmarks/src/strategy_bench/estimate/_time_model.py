@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from strategy_bench.estimate._offload import host_copy_ms, host_optimizer_ms
+from strategy_bench.estimate._points import hsdp_degrees
 from strategy_bench.estimate._time_inputs import TimeModel, point_key
 from strategy_bench.measure import collective_seconds
 from strategy_bench.workload import checkpoint_mode, micro_steps, syncs_every_micro_step
@@ -67,8 +68,7 @@ def _groups(strategy: str, world: int, gpus_per_node: int) -> dict[str, _Group]:
     else:  # the node with the fewest of the group's ranks sets the ring's pace
         whole = _Group(world, "inter_node", world % gpus_per_node or gpus_per_node)
     if strategy == "hsdp":
-        shard = min(gpus_per_node, world)
-        replicate = max(1, world // shard)
+        replicate, shard = hsdp_degrees(world, gpus_per_node)
         return {
             "world": whole,
             "shard": _Group(shard, "intra_node", shard),

@@ -281,17 +281,7 @@ def cost_table(
     The fastest point of each strategy that fits, at its predicted rate: tokens/s per GPU,
     days, GPU-hours and cost; a strategy with no point that fits says so, with its least peak.
     """
-    best: dict[tuple[str, int, str], Mapping[str, Any]] = {}
-    smallest: dict[tuple[str, int, str], int] = {}
-    for row in ok_rows(rows):
-        key = (str(row["model"]), int(row["world_size"]), str(row["strategy"]))
-        if not row.get("fits", True):
-            peak = int(row.get("peak_bytes") or row["total_bytes"])
-            smallest[key] = min(smallest.get(key, peak), peak)
-        elif row.get("train_days") and (
-            key not in best or row["train_days"] < best[key]["train_days"]
-        ):
-            best[key] = row
+    best, smallest = _fastest_costed(rows)
     # the knobs every row shares (the recipe asked for) are said once, above the table
     kept = list(best.values())
     shared = {
@@ -329,6 +319,51 @@ def cost_table(
     return f"every row: {knob_text(shared, ', ')}\n{table}"
 
 
+def _fastest_costed(
+    rows: Sequence[Mapping[str, Any]],
+) -> tuple[dict[tuple[str, int, str], Mapping[str, Any]], dict[tuple[str, int, str], int]]:
+    """Per (model, world size, strategy): the fastest costed row that fits, or least peak."""
+    best: dict[tuple[str, int, str], Mapping[str, Any]] = {}
+    smallest: dict[tuple[str, int, str], int] = {}
+    for row in ok_rows(rows):
+        key = (str(row["model"]), int(row["world_size"]), str(row["strategy"]))
+        if not row.get("fits", True):
+            peak = int(row.get("peak_bytes") or row["total_bytes"])
+            smallest[key] = min(smallest.get(key, peak), peak)
+        elif row.get("train_days") and (
+            key not in best or row["train_days"] < best[key]["train_days"]
+        ):
+            best[key] = row
+    return best, smallest
+
+
+def failure_table(rows: Sequence[Mapping[str, Any]], *, markdown: bool = False) -> str:
+    """Per model, world size and strategy that fits: failures, and the run's length per mode.
+
+    Each failure restarts the job from a checkpoint, or heals one replica group (torchft).
+    """
+    best, _ = _fastest_costed(rows)
+    header = ("model", "ranks", "strategy", "failures", "restart: days", "GPU-hours")
+    lines: list[tuple[str, ...]] = [(*header, "heal: days", "GPU-hours")]
+    for (model, world, strategy), row in sorted(best.items()):
+        if row.get("failures") is None:
+            continue
+        restart = [row.get("restart_days"), row.get("restart_gpu_hours")]
+        heal = [row.get("heal_days"), row.get("heal_gpu_hours")]
+        if not row.get("replica_groups"):  # FSDP, or one group: nothing to heal from
+            heal = ["-", "-"]
+        lines.append(
+            (
+                model,
+                str(world),
+                strategy,
+                f"{row['failures']:.1f}",
+                *(_ends(value) for value in (*restart, *heal)),
+            )
+        )
+    return _markdown(lines) if markdown else _render(lines)
+
+
 def plan_lines(plans: Sequence[Mapping[str, Any]], train_tokens: float) -> str:
     """``fastest that fits`` and ``cheapest that fits`` per model, one line each."""
     out = []
@@ -348,6 +383,12 @@ def _costed(entry: Mapping[str, Any]) -> str:
         f"days, {_amount(entry['train_gpu_hours'])} GPU-hours"
         + ("" if cost is None else f", cost {_amount(cost)}")
     )
+
+
+def _ends(value: float | str | None) -> str:
+    if value is None:
+        return "never ends"
+    return value if isinstance(value, str) else _amount(value)
 
 
 def _amount(value: float) -> str:
