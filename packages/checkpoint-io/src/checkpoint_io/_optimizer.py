@@ -190,31 +190,23 @@ def _check_paths(paths: list[tuple[object, ...]]) -> None:
     leaves = set(paths)
     kinds: dict[tuple[object, ...], type] = {}
     for path in paths:
-        kinds_ok = len(path) >= 3 and all(type(key) in (str, int) for key in path[2:])
-        if not kinds_ok or type(path[1]) is not str or type(path[2]) is not str:
+        fault = None
+        shaped = len(path) >= 3 and type(path[1]) is str and type(path[2]) is str
+        if not shaped or not all(type(key) in (str, int) for key in path[2:]):
+            fault = "which DCP does not write"
+        elif any(path[:end] in leaves for end in range(3, len(path))):  # a value above it
+            fault = "both as a value and as a container"
+        elif any(type(key) is int and not 0 <= key < len(paths) for key in path[3:]):
+            fault = f"an index outside its {len(paths)} entries"
+        else:
+            for end in range(3, len(path)):  # below one container, keys of one kind
+                if kinds.setdefault(path[:end], type(path[end])) is not type(path[end]):
+                    fault = f"whose {path[:end]!r} is both a dict and a list"
+        if fault is not None:
             raise CheckpointError(
-                f"the checkpoint's index holds the optimizer state path {path!r}, which DCP "
-                "does not write; the checkpoint is damaged or crafted. Nothing was loaded"
+                f"the checkpoint's index holds the optimizer state path {path!r}, {fault}; "
+                "the checkpoint is damaged or crafted. Nothing was loaded"
             )
-        if any(path[:end] in leaves for end in range(3, len(path))):  # a value above it
-            raise CheckpointError(
-                f"the checkpoint's index holds the optimizer state path {path!r} both as a "
-                "value and as a container; the checkpoint is damaged or crafted. Nothing was "
-                "loaded"
-            )
-        if any(type(key) is int and not 0 <= key < len(paths) for key in path[3:]):
-            raise CheckpointError(
-                f"the checkpoint's index holds the optimizer state path {path!r}, an index "
-                f"outside its {len(paths)} entries; the checkpoint is damaged or crafted. "
-                "Nothing was loaded"
-            )
-        for end in range(3, len(path)):  # below one container, keys of one kind
-            if kinds.setdefault(path[:end], type(path[end])) is not type(path[end]):
-                raise CheckpointError(
-                    f"the checkpoint's index holds the optimizer state path {path!r}, whose "
-                    f"{path[:end]!r} is both a dict and a list; the checkpoint is damaged or "
-                    "crafted. Nothing was loaded"
-                )
 
 
 def _starts(optimizer: torch.optim.Optimizer) -> Iterator[tuple[int, dict[str, Any]]]:
