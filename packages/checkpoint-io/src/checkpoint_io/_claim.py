@@ -68,8 +68,9 @@ def claim_now(
     if rank() == 0 and failure is None:
         try:
             claimed = claim(target)
-            partial_for(target, overwrite, claimed).mkdir(parents=True)
-            made = partial_for(target, overwrite, claimed)
+            partial = partial_for(target, overwrite, claimed)
+            partial.mkdir(parents=True)
+            made = partial  # removed below if the ranks do not agree
         except Exception as error:
             failure = error
     digests = None if parts is None else parts.digests

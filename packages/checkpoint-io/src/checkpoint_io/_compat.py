@@ -23,6 +23,7 @@ __all__ = [
     "dcp_failure",
     "default_group_timeout",
     "load_in_process",
+    "rank_failures",
     "set_element",
 ]
 
@@ -36,13 +37,22 @@ def load_in_process(state: dict[str, Any], reader: Any, planner: Any) -> None:
     _load_state_dict(state, storage_reader=reader, planner=planner, no_dist=True)
 
 
+def rank_failures(error: BaseException) -> dict[int, BaseException]:
+    """What each rank raised, inside DCP's ``CheckpointException`` (else ``{}``).
+
+    DCP keeps each as ``(error, traceback)``; the traceback is left behind.
+    """
+    failures = getattr(error, "failures", None) or {}
+    return {r: f[0] if isinstance(f, tuple) else f for r, f in sorted(failures.items())}
+
+
 def dcp_failure(what: str, error: CheckpointException) -> str:
     """One line for DCP's failure: the ranks, and the first rank's error (no traceback)."""
-    failures = error.failures
+    failures = rank_failures(error)
     if not failures:
         return f"{what} failed: {str(error).strip().splitlines()[-1]}"
     first = min(failures)
-    exc = failures[first][0]
+    exc = failures[first]
     return f"{what} failed on rank(s) {sorted(failures)}; rank {first}: {type(exc).__name__}: {exc}"
 
 

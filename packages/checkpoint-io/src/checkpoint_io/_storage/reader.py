@@ -43,22 +43,13 @@ def read_into(
         refused = _refusal(error)
         if refused is not None:
             raise refused from None
-        first = _first_failure(error)
+        first = next(iter(_compat.rank_failures(error).values()), error)  # the lowest rank's
         if not isinstance(first, Exception):  # KeyboardInterrupt, SystemExit: as themselves
             raise first from None
         raise CheckpointError(
             f"reading {what} failed: the checkpoint is truncated or corrupt "
             f"({type(first).__name__}: {_one_line(first)}); nothing was loaded"
         ) from None
-
-
-def _first_failure(error: BaseException) -> BaseException:
-    """What a step raised, inside DCP's wrapper (which holds every rank's, with tracebacks)."""
-    failures = getattr(error, "failures", None) or {}
-    if failures:
-        found = failures[min(failures)]
-        return found[0] if isinstance(found, tuple) else found  # type: ignore[no-any-return]
-    return error
 
 
 def _one_line(error: BaseException) -> str:
@@ -70,8 +61,7 @@ def _refusal(error: BaseException) -> CheckpointError | None:
     """The :class:`CheckpointError` inside a DCP failure (DCP wraps what its steps raise)."""
     if isinstance(error, CheckpointError):
         return error
-    for failure in (getattr(error, "failures", None) or {}).values():
-        found = failure[0] if isinstance(failure, tuple) else failure  # (error, traceback)
+    for found in _compat.rank_failures(error).values():
         if isinstance(found, CheckpointError):
             return found
     cause = error.__cause__ or error.__context__
