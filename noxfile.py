@@ -164,6 +164,9 @@ def tests(session: nox.Session, package: str) -> None:
     if package in ("strategy-bench", "integration"):
         session.install(*nox.project.dependency_groups(PYPROJECT, "test-parallel"))
         parallel = ["-n", "2", "--dist", "loadfile"]
+    if package == "integration":  # torchft's lighthouse and Manager (the wheel ships both)
+        session.install("--no-deps", *nox.project.dependency_groups(PYPROJECT, "test-torchft"))
+        session.install(*nox.project.dependency_groups(PYPROJECT, "test-torchft-deps"))
     folder = "integration" if package == "integration" else PACKAGES[dist].import_name
     session.run("pytest", f"tests/{folder}", *parallel, *session.posargs, env=_WRITE_BYTECODE)
 

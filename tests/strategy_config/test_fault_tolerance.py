@@ -67,6 +67,21 @@ def test_missing_keys_and_a_strategy_without_replicas() -> None:
     assert "use strategy: hsdp" in text
 
 
+def test_ddp_keeps_one_bucket_layout_in_every_group() -> None:
+    # DDP rebuilds its buckets after the first backward unless it looks for unused
+    # parameters without a static graph: a group healed mid-run would reduce another layout.
+    plain = DistributedConfig.from_mapping({"strategy": "ddp"})
+    assert plain.ddp_options()["find_unused_parameters"] is False
+    managed = DistributedConfig.from_mapping({"strategy": "ddp", "fault_tolerance": GOOD})
+    assert managed.ddp_options()["find_unused_parameters"] is True
+    assert managed.ddp_options()["static_graph"] is False
+    with pytest.raises(ValueError) as info:
+        DistributedConfig.from_mapping(
+            {"strategy": "ddp", "static_graph": True, "fault_tolerance": GOOD}
+        )
+    assert "static_graph=True" in str(info.value) and "set static_graph: false" in str(info.value)
+
+
 def test_the_section_never_imports_torch() -> None:
     code = (
         "import sys; from strategy_config import DistributedConfig; "

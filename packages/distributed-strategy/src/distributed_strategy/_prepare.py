@@ -17,6 +17,7 @@ from dist_core import DeviceLike, log_rank0, require_process_group, resolve_devi
 from distributed_strategy._pretrained import build_pretrained
 from distributed_strategy._stages import Stages
 from distributed_strategy._trainable import TrainablePolicy, apply_trainable
+from distributed_strategy.fault_tolerance import attach_fault_tolerance, check_lighthouse
 from distributed_strategy.recipe import apply_block_recipe, recipe_blocks
 from fsdp_wrap import ShardPolicy, hsdp_mesh, wrap_module_fsdp
 from replica_init import (
@@ -189,6 +190,14 @@ def _plan(
         )
     target = resolve_device(device)
     plan = _Plan(settings, trainable, tuple(forward_methods), target, shard, Stages(target))
+    if settings.fault_tolerance is not None:
+        if settings.strategy != "ddp":
+            raise ValueError(
+                f"training.distributed.fault_tolerance with strategy {settings.strategy!r} is "
+                "not built into prepare_model yet (DDP's replica groups are); use strategy: ddp, "
+                "or remove fault_tolerance"
+            )
+        check_lighthouse(settings.fault_tolerance)  # before anything is built
     if settings.strategy == "hsdp":
         replicate, plan.shard_degree = settings.hsdp_mesh_shape(dist.get_world_size())
         plan.mesh = hsdp_mesh(target, replicate=replicate, shard=plan.shard_degree)
@@ -246,6 +255,8 @@ def _replicated(plan: _Plan, build: _Build) -> tuple[nn.Module, str | None]:
         wrapped = wrap_module_ddp(
             model, device=plan.target, forward_methods=plan.names, **plan.settings.ddp_options()
         )
+        if plan.settings.fault_tolerance is not None:
+            attach_fault_tolerance(wrapped, plan.settings.fault_tolerance, plan.target)
     return wrapped, fingerprint
 
 

@@ -148,7 +148,7 @@ class DistributedConfig:
         )
         if self.fault_tolerance is not None:
             set_(self, "fault_tolerance", FaultToleranceConfig.from_mapping(self.fault_tolerance))
-            check_strategy(self.strategy)
+            check_strategy(self.strategy, static_graph=self.static_graph)
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> DistributedConfig:
@@ -190,10 +190,17 @@ class DistributedConfig:
         return self.strategy == "ddp"
 
     def ddp_options(self) -> dict[str, Any]:
-        """Keyword arguments for ``DistributedDataParallel`` (``bucket_cap_mb`` only when set)."""
+        """Keyword arguments for ``DistributedDataParallel`` (``bucket_cap_mb`` only when set).
+
+        Under ``fault_tolerance``, ``find_unused_parameters`` is ``True``: DDP then keeps the
+        bucket layout it built at construction (it never rebuilds it from the first backward's
+        order), so a group that joins late reduces the same layout as groups long past their
+        first step.
+        """
         options: dict[str, Any] = {
             "broadcast_buffers": self.broadcast_buffers,
-            "find_unused_parameters": self.find_unused_parameters,
+            "find_unused_parameters": self.find_unused_parameters
+            or self.fault_tolerance is not None,
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
             "static_graph": self.static_graph,
         }

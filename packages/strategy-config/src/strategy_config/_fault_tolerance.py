@@ -94,11 +94,13 @@ class FaultToleranceConfig:
         return cls(**{str(key): value for key, value in mapping.items()})
 
 
-def check_strategy(strategy: str) -> None:
-    """``fault_tolerance`` needs replicas across groups: DDP or HSDP.
+def check_strategy(strategy: str, *, static_graph: bool = False) -> None:
+    """``fault_tolerance`` needs replicas across groups (DDP or HSDP) and a fixed bucket layout.
 
     Raises:
-        ValueError: Naming both keys, for ``fsdp``.
+        ValueError: Naming both keys, for ``fsdp``, or for DDP's ``static_graph`` (DDP then
+            rebuilds its buckets after the first step, and a group that joins late would
+            reduce another layout than its peers).
     """
     if strategy not in STRATEGIES_WITH_REPLICAS:
         raise ValueError(
@@ -106,6 +108,13 @@ def check_strategy(strategy: str) -> None:
             "one sharded copy of the model and so has no replica group to lose; use strategy: "
             "hsdp (shard inside a group, replicate across groups) or ddp, or remove "
             "fault_tolerance"
+        )
+    if static_graph and strategy == "ddp":
+        raise ValueError(
+            f"{FT_PATH} is set with training.distributed.static_graph=True: a static graph "
+            "makes DDP rebuild its gradient buckets after the first step, so a group that "
+            "heals mid-run would reduce a different layout than its peers; set static_graph: "
+            "false, or remove fault_tolerance"
         )
 
 

@@ -1,0 +1,247 @@
+"""torchft's replica groups under ``prepare_model``: DDP that keeps training through a failure.
+
+A replica group is one job (torchrun, or one srun step) with its own default process group;
+the groups meet at torchft's lighthouse. Inside a group DDP averages over the group's ranks as
+always; across groups a comm hook averages each bucket through torchft's ``Manager`` over the
+groups that are live this step. A group that dies stops nobody: its step is discarded where it
+was in flight, the others commit theirs, and a group that comes back heals from a live peer
+(weights and optimizer state, through torchft's transport) before its first step.
+
+A trainer's loop changes in one line: ``optimizer = fault_tolerance_of(model).wrap_optimizer(
+optimizer)``; ``zero_grad()`` then joins the step's quorum and ``step()`` commits it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ddp_wrap import unwrap_ddp_module
+from dist_core import agree, log_rank0
+from strategy_config import FaultToleranceConfig
+
+if TYPE_CHECKING:
+    from torchft import Manager
+
+__all__ = ["FaultTolerance", "fault_tolerance_of"]
+
+logger = logging.getLogger(__name__)
+
+_INSTALL = "pip install torchft==0.2.0 (Linux, Python 3.11)"
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, FaultTolerance] = weakref.WeakKeyDictionary()
+
+
+class FaultTolerance:
+    """This replica group's torchft ``Manager``, bound to the model ``prepare_model`` wrapped.
+
+    Attributes:
+        config: The ``fault_tolerance`` section.
+        manager: torchft's ``Manager`` (quorum, commit, heal).
+    """
+
+    def __init__(self, config: FaultToleranceConfig, manager: Manager, model: nn.Module) -> None:
+        self.config = config
+        self.manager = manager
+        self._module = unwrap_ddp_module(model)
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer under the manager's commit, its state healed with the model's.
+
+        ``zero_grad()`` starts the step's quorum (a group behind the others receives the
+        weights and optimizer state of a live peer there, before its forward); ``step()``
+        runs only if every live group's step succeeded (``manager.should_commit()``).
+
+        Raises:
+            TypeError: If ``optimizer`` is not a ``torch.optim.Optimizer``.
+            RuntimeError: If an optimizer was wrapped already.
+        """
+        from torchft import Optimizer as ManagedOptimizer
+
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if self._optimizer is not None:
+            raise RuntimeError(
+                "wrap_optimizer was called already for this model; call it once, with the "
+                "optimizer over all the model's parameters"
+            )
+        self._optimizer = optimizer
+        self.manager.register_state_dict_fn("model_optimizer", self._load, self._state)
+        managed: torch.optim.Optimizer = ManagedOptimizer(self.manager, optimizer)
+        return managed
+
+    def _state(self) -> dict[str, Any]:
+        assert self._optimizer is not None
+        return {"model": self._module.state_dict(), "optimizer": self._optimizer.state_dict()}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        assert self._optimizer is not None
+        self._module.load_state_dict(state["model"])
+        self._optimizer.load_state_dict(state["optimizer"])
+
+    @property
+    def step(self) -> int:
+        """The last step every live group committed (the manager's, healed with the state)."""
+        return int(self.manager.current_step())
+
+    def participants(self) -> int:
+        """The replica groups in this step's quorum (waits for the quorum)."""
+        return int(self.manager.num_participants())
+
+    def shutdown(self) -> None:
+        """Stop the manager's servers and threads (the process group stays)."""
+        self.manager.shutdown(wait=False)
+
+
+def fault_tolerance_of(model: nn.Module) -> FaultTolerance:
+    """The :class:`FaultTolerance` that ``prepare_model`` attached to ``model``.
+
+    Raises:
+        ValueError: If ``model`` was not prepared with a ``fault_tolerance`` section.
+    """
+    found = _ATTACHED.get(model)
+    if found is None:
+        raise ValueError(
+            f"{type(model).__name__} was not prepared with fault tolerance; set "
+            "training.distributed.fault_tolerance and build it with prepare_model"
+        )
+    return found
+
+
+def check_lighthouse(config: FaultToleranceConfig) -> None:
+    """Before anything is built: torchft is importable and the lighthouse answers (collective).
+
+    The group's rank 0 (the one that talks to the lighthouse) opens a connection within
+    ``connect_timeout_s``; every rank of the group raises if it cannot.
+
+    Raises:
+        ImportError: torchft is not installed (on every rank).
+        ConnectionError: The lighthouse cannot be reached, named with its address.
+    """
+    failure: BaseException | None = None
+    try:
+        import torchft  # noqa: F401
+    except ImportError as error:
+        failure = ImportError(
+            f"training.distributed.fault_tolerance needs torchft ({error}); {_INSTALL}"
+        )
+    if failure is None and dist.get_rank() == 0:
+        address = urlsplit(config.lighthouse)
+        try:
+            with socket.create_connection(
+                (address.hostname or "", address.port or 0), timeout=config.connect_timeout_s
+            ):
+                pass
+        except OSError as error:
+            failure = ConnectionError(
+                f"the torchft lighthouse at {config.lighthouse} "
+                "(training.distributed.fault_tolerance.lighthouse) did not answer within "
+                f"connect_timeout_s={config.connect_timeout_s:g} s ({error}); start it first "
+                "(torchft_lighthouse --bind [::]:PORT --min_replicas N) or fix the address"
+            )
+    agree(
+        failure,
+        "reaching the torchft lighthouse",
+        kinds={"ImportError": ImportError, "ConnectionError": ConnectionError},
+    )
+
+
+def attach_fault_tolerance(
+    model: nn.Module, config: FaultToleranceConfig, device: torch.device
+) -> FaultTolerance:
+    """Start this group's ``Manager`` and average DDP's gradients across the live groups.
+
+    The group's store is its default process group's (``MASTER_ADDR``/``MASTER_PORT``, as
+    torchrun and ``init_distributed`` set them); the cross-group process group is gloo on the
+    CPU and NCCL on CUDA.
+    """
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+    # NOTE: the groups reduce DDP's buckets element by element, so every group must hold the
+    # same layout. DDP rebuilds its buckets after its first backward unless it looks for
+    # unused parameters without a static graph; a group that heals mid-run is then in its
+    # first step while its peers are past theirs. strategy-config's ddp_options set it.
+    if not getattr(model, "find_unused_parameters", False) or getattr(model, "static_graph", True):
+        raise RuntimeError(
+            "fault tolerance needs DDP built with find_unused_parameters=True and "
+            "static_graph=False (a fixed bucket layout in every replica group); wrap it with "
+            "DistributedConfig.ddp_options()"
+        )
+    timeout = datetime.timedelta(seconds=config.timeout_s)
+    store_addr, store_port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if not store_addr or not store_port.isdigit():
+        raise RuntimeError(
+            "fault tolerance needs this group's store at MASTER_ADDR/MASTER_PORT (got "
+            f"{store_addr!r}/{store_port!r}); launch each replica group with torchrun or "
+            "init_distributed"
+        )
+    cross = ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
+    manager = Manager(
+        pg=cross,
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=config.min_replica_size,
+        # NOTE: the quorum (and a heal) completes in zero_grad, before the forward: a healed
+        # group then trains in the same step, and no state dict is read mid-forward.
+        use_async_quorum=False,
+        timeout=timeout,
+        quorum_timeout=datetime.timedelta(seconds=config.quorum_timeout_s),
+        connect_timeout=datetime.timedelta(seconds=config.connect_timeout_s),
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        store_addr=store_addr,
+        store_port=int(store_port),
+        lighthouse_addr=config.lighthouse,
+        replica_id=f"replica_{config.replica_id}",
+    )
+    handle = FaultTolerance(config, manager, model)
+    model.register_comm_hook(manager, _managed_hook(dist.get_world_size()))  # type: ignore[operator]
+    _ATTACHED[model] = handle
+    log_rank0(
+        logger,
+        logging.INFO,
+        "fault tolerance: replica group %d of %d at lighthouse %s, %d rank(s) in this group, "
+        "a step commits with >= %d live group(s)",
+        config.replica_id,
+        config.replica_groups,
+        config.lighthouse,
+        dist.get_world_size(),
+        config.min_replica_size,
+    )
+    return handle
+
+
+def _managed_hook(group_size: int) -> Callable[[Manager, Any], torch.futures.Future[torch.Tensor]]:
+    """DDP's comm hook: the group's mean, then the mean over the live groups."""
+
+    def hook(manager: Manager, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        if group_size > 1:
+            dist.all_reduce(buffer)
+            buffer.div_(group_size)
+        # NOTE: waited here, never chained: a peer that dies mid-reduce makes torchft's work
+        # fail, which it records (the step then does not commit) instead of raising into
+        # backward; the bucket's future is always completed.
+        manager.allreduce(buffer).wait()
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+
+    # DDP checks the hook's annotations as objects; this module's are strings (PEP 563).
+    hook.__annotations__.update(
+        {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}  # type: ignore[attr-defined]
+    )
+    return hook
