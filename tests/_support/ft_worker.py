@@ -2,7 +2,8 @@
 
 ``python ft_worker.py LIGHTHOUSE REPLICA_ID GROUPS LOG FINISH [DIE_AT]``: builds a seeded
 Regressor with ``prepare_model`` (DDP, ``fault_tolerance`` set), trains with AdamW on the batch
-of (replica id, step), and appends one JSON line per step to LOG: the step it ran, whether it
+of (replica id, step), its loss the mean over the samples that count in every live group
+(``global_count``, ``count_mean``), and appends one JSON line per step to LOG: the step it ran, whether it
 committed, the live groups and the weights' digest. With DIE_AT it SIGKILLs itself once step
 DIE_AT is logged. It stops at the step written in the file FINISH (when that file appears) and
 logs its final digest and weights.
@@ -27,11 +28,21 @@ WIDTH = 8
 STEP_PAUSE_S = 0.15
 
 
-def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The samples replica group ``replica`` trains on at ``step`` (the record's unit)."""
+def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The samples replica group ``replica`` trains on at ``step`` (the record's unit), and the
+    mask of those that count: 1 to BATCH of them, a different number per group and step, so
+    a mean of the groups' means is not the mean over the samples that counted."""
     generator = torch.Generator().manual_seed(1_000_003 * replica + step)
     x = torch.randn(BATCH, WIDTH, generator=generator)
-    return x, x.sum(dim=1, keepdim=True).sin()
+    mask = (torch.arange(BATCH) <= (replica + step) % BATCH).float()
+    return x, x.sum(dim=1, keepdim=True).sin(), mask
+
+
+def loss_sum(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The summed squared error of the samples that count."""
+    return ((model(x) - y).squeeze(1).pow(2) * mask).sum()
 
 
 def digest(model: torch.nn.Module) -> str:
@@ -51,7 +62,7 @@ def main() -> None:
         port = sock.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
-    from distributed_strategy import prepare_model
+    from distributed_strategy import count_mean, global_count, prepare_model
     from distributed_strategy.fault_tolerance import fault_tolerance_of
     from toy_models import Regressor
 
@@ -93,8 +104,9 @@ def main() -> None:
                 finish_at = int(Path(finish).read_text())
             if finish_at is not None and step >= finish_at:
                 break
-            x, y = batch(replica_id, step)
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            x, y, mask = batch(replica_id, step)
+            count = global_count(mask, model=model)  # the live groups' samples only
+            count_mean(loss_sum(model, x, y, mask), count, model=model).backward()
             optimizer.step()
             record(
                 step=step,

@@ -319,3 +319,34 @@ def test_low_precision_masks_count_exactly() -> None:
     assert int(global_count(torch.ones(70_000, dtype=torch.float16), model=model)) == 70_000
     with pytest.raises(ValueError, match="past 2\\*\\*53"):
         global_count([2**53, 2**53], model=model)
+
+
+class _ThreeGroups:
+    """dist-core's ReplicaReduce as three live groups holding this group's values would."""
+
+    def sum_(self, tensor: torch.Tensor) -> None:
+        tensor.mul_(3)
+
+    def live(self) -> int:
+        return 3
+
+
+@pytest.mark.usefixtures("process_group")
+def test_counts_span_the_live_replica_groups() -> None:
+    """Under fault tolerance the count and the scale cover every live group, not one."""
+    from dist_core import replica_reduce, set_replica_reduce
+    from grad_sync import count_mean, data_parallel_size, global_count
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        model = DistributedDataParallel(_net(), broadcast_buffers=False)
+    assert (data_parallel_size(model), int(global_count(5, model=model))) == (1, 5)
+    set_replica_reduce(model, _ThreeGroups())
+    assert replica_reduce(model) is not None
+    assert data_parallel_size(model) == 3
+    count = global_count([torch.tensor([1, 1, 0]), 3], model=model)
+    assert count.dtype == torch.int64 and int(count) == 15
+    loss = torch.tensor(10.0)
+    assert float(count_mean(loss, count, model=model)) == 2.0  # 10 * 3 groups / 15 items
+    with pytest.raises(ValueError, match="counts must be finite and >= 0, got -1"):
+        global_count([-1], model=model)  # still refused before any reduce

@@ -3,8 +3,9 @@
 Three DDP replica groups of one rank each, each its own process and job: one is SIGKILLed at a
 step, the others keep committing without a restart, the group is started again, heals from a
 live peer and ends bit-identical to them; the weights equal one process trained on the samples
-the groups committed, and the samples lost while the group was down are the ones its record
-names.
+the groups committed (the loss a mean over the samples that count in the live groups, through
+``global_count`` and ``count_mean``), and the samples lost while the group was down are the
+ones its record names.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def _replay(trained: dict[int, set[int]]) -> dict[str, torch.Tensor]:
     """The committed steps in one process: each step's batches of the groups that trained it."""
     sys.path.insert(0, str(SUPPORT))
     try:
-        from ft_worker import WIDTH, batch
+        from ft_worker import WIDTH, batch, loss_sum
         from replica_init import build_replicated_model
         from toy_models import Regressor
     finally:
@@ -200,10 +201,9 @@ def _replay(trained: dict[int, set[int]]) -> dict[str, torch.Tensor]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in sorted(trained):
         parts = [batch(replica, step) for replica in sorted(trained[step])]
-        x = torch.cat([p[0] for p in parts])
-        y = torch.cat([p[1] for p in parts])
+        x, y, mask = (torch.cat([p[i] for p in parts]) for i in range(3))
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        (loss_sum(model, x, y, mask) / mask.sum()).backward()  # over the samples that count
         optimizer.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
 

@@ -7,7 +7,8 @@ verdict on a failure (``agree``, ``agreed_error``, ``all_reduce_agreed``); the c
 data-parallel wrap; what a model is wrapped in; how an untrusted file is opened
 (``open_regular``, ``read_regular``) and how a written one is made durable (``fsync_file``,
 ``fsync_dir``, ``fsync_tree``, ``make_dirs``); how much memory a stretch of work took
-(``current_rss``, ``MemoryPeak``).
+(``current_rss``, ``MemoryPeak``); the replica groups a model's sums span beyond its process
+group (``replica_reduce``, set by fault tolerance).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dist_core._group import (
 from dist_core._init import DEFAULT_TIMEOUT, init_distributed
 from dist_core._launch import Launch, detect_launch, expand_nodelist, slurm_job_id, slurm_port
 from dist_core._memory import MemoryPeak, current_rss
+from dist_core._replicas import ReplicaReduce, replica_reduce, set_replica_reduce
 from dist_core._wrapped import (
     Strategy,
     compute_device,
@@ -55,6 +57,7 @@ __all__ = [
     "DeviceLike",
     "Launch",
     "MemoryPeak",
+    "ReplicaReduce",
     "Strategy",
     "accelerator_type",
     "agree",
@@ -84,10 +87,12 @@ __all__ = [
     "open_regular",
     "rank",
     "read_regular",
+    "replica_reduce",
     "require_current_device",
     "require_device_index",
     "require_process_group",
     "resolve_device",
+    "set_replica_reduce",
     "slurm_job_id",
     "slurm_port",
     "state_groups",

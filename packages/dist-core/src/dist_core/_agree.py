@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from dist_core._devices import on_device
 from dist_core._group import bound_device, is_distributed
+from dist_core._replicas import ReplicaReduce
 
 
 def agree(
@@ -89,6 +90,7 @@ def all_reduce_agreed(
     groups: Sequence[dist.ProcessGroup | None],
     *,
     default: type[Exception] = ValueError,
+    across: ReplicaReduce | None = None,
 ) -> list[float]:
     """Sum ``data`` over ``groups`` in the same all-reduce that tells every rank of a failure.
 
@@ -104,6 +106,7 @@ def all_reduce_agreed(
         groups: The groups reduced over, one after another (a mesh's dimensions); ``[None]``
             is the default group.
         default: What a rank that did not fail raises.
+        across: The replica groups beyond ``groups`` (:func:`replica_reduce`), summed last.
 
     Returns:
         The summed ``data``, read to the host (the one host read the check needs).
@@ -115,6 +118,8 @@ def all_reduce_agreed(
     payload = torch.cat([mine, flag])
     for group in groups:
         dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
+    if across is not None:
+        across.sum_(payload)
     *total, failed = payload.tolist()
     if error is not None:
         raise error

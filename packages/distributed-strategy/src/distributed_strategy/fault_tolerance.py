@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ddp_wrap import unwrap_ddp_module
-from dist_core import agree, log_rank0
+from dist_core import agree, log_rank0, set_replica_reduce
 from strategy_config import FaultToleranceConfig
 
 if TYPE_CHECKING:
@@ -208,6 +208,7 @@ def attach_fault_tolerance(
         replica_id=f"replica_{config.replica_id}",
     )
     handle = FaultTolerance(config, manager, model)
+    set_replica_reduce(model, _LiveGroups(manager))  # global_count: the live groups' tokens
     model.register_comm_hook(manager, _managed_hook(dist.get_world_size()))  # type: ignore[operator]
     _ATTACHED[model] = handle
     log_rank0(
@@ -222,6 +223,24 @@ def attach_fault_tolerance(
         config.min_replica_size,
     )
     return handle
+
+
+class _LiveGroups:
+    """dist-core's ``ReplicaReduce`` over the groups in torchft's quorum this step."""
+
+    def __init__(self, manager: Manager) -> None:
+        self._manager = manager
+
+    def sum_(self, tensor: torch.Tensor) -> None:
+        local = tensor.clone()
+        self._manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait()
+        # NOTE: a failed reduce leaves the tensor undefined and the step uncommitted: the
+        # group's own sum is kept, so a count stays a count for the step that is discarded.
+        if self._manager.errored() is not None:
+            tensor.copy_(local)
+
+    def live(self) -> int:
+        return int(self._manager.num_participants())
 
 
 def _managed_hook(group_size: int) -> Callable[[Manager, Any], torch.futures.Future[torch.Tensor]]:

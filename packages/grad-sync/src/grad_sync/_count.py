@@ -26,6 +26,7 @@ from dist_core import (
     fsdp_mesh,
     fsdp_modules,
     mesh_device,
+    replica_reduce,
     strategy_of,
     unwrap_compiled,
 )
@@ -47,8 +48,10 @@ def global_count(counts: Any, *, model: nn.Module) -> torch.Tensor:
 
     The sum of ``counts`` over this step's micro-batches and over every data-parallel rank of
     ``model``: one all-reduce per step, on the model's data-parallel group (DDP's process
-    group; FSDP's mesh; HSDP's whole mesh, both dimensions). Collective: every rank of that
-    group calls it once per optimizer step, before the micro-batches' backwards.
+    group; FSDP's mesh; HSDP's whole mesh, both dimensions), then over the live replica groups
+    under fault tolerance (only the tokens of the groups that train this step). Collective:
+    every rank of that group calls it once per optimizer step, before the micro-batches'
+    backwards.
 
     Every count is summed in ``float64`` whatever its type (a ``bfloat16`` mask of 1,001 ones
     counts 1,001), and the ranks' sums are reduced in ``float64`` too, so the result is exact
@@ -83,7 +86,8 @@ def global_count(counts: Any, *, model: nn.Module) -> torch.Tensor:
             raise error
         total, floats, bad = local.tolist()
     else:
-        total, floats, bad = all_reduce_agreed(local, error, "global_count", groups)
+        across = replica_reduce(model)
+        total, floats, bad = all_reduce_agreed(local, error, "global_count", groups, across=across)
     if bad:
         mine = int(local[2].item()) if error is None else 0
         raise ValueError(
@@ -156,14 +160,19 @@ def count_mean(loss_sum: torch.Tensor, global_count: Any, *, model: nn.Module) -
 
 
 def data_parallel_size(model: nn.Module) -> int:
-    """The number of ranks the model's gradient reduction averages over (1 for a plain model)."""
+    """The number of ranks the model's gradient reduction averages over (1 for a plain model).
+
+    Under fault tolerance, the ranks of this step's live replica groups: a group's ranks times
+    the live groups.
+    """
     group, _ = _reduction(model)
     if group is None:
         return 1
     size = 1
     for part in group:
         size *= dist.get_world_size(part)
-    return size
+    across = replica_reduce(model)
+    return size if across is None else size * across.live()
 
 
 def _count_value(global_count: Any) -> float:
