@@ -1,7 +1,7 @@
 """One torchft replica group of one rank, run as its own process (its own job, as on a cluster).
 
 ``python ft_worker.py LIGHTHOUSE REPLICA_ID GROUPS LOG FINISH [DIE_AT]``: builds a seeded
-Regressor with ``prepare_model`` (DDP, ``fault_tolerance`` set), trains with AdamW on the batch
+Gated regressor with ``prepare_model`` (DDP, ``fault_tolerance`` set), trains with AdamW on the batch
 of (replica id, step), its loss the mean over the samples that count in every live group
 (``global_count``, ``count_mean``), and appends one JSON line per step to LOG: the step it ran, whether it
 committed, the live groups and the weights' digest. With DIE_AT it SIGKILLs itself once step
@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from toy_models import Regressor
+
 BATCH = 4
 WIDTH = 8
 STEP_PAUSE_S = 0.15
@@ -38,11 +40,29 @@ def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return x, x.sum(dim=1, keepdim=True).sin(), mask
 
 
+class Gated(torch.nn.Module):
+    """A Regressor with an extra head that a group uses at some steps only (:func:`uses_aux`):
+    at those steps the head is unused in some groups and used in others."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.body = Regressor(width)
+        self.aux = torch.nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, use_aux: bool) -> torch.Tensor:
+        out: torch.Tensor = self.body(x)
+        return out + self.aux(x) if use_aux else out
+
+
+def uses_aux(replica: int, step: int) -> bool:
+    return (replica + step) % 3 == 0
+
+
 def loss_sum(
-    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, use_aux: bool
 ) -> torch.Tensor:
     """The summed squared error of the samples that count."""
-    return ((model(x) - y).squeeze(1).pow(2) * mask).sum()
+    return ((model(x, use_aux=use_aux) - y).squeeze(1).pow(2) * mask).sum()
 
 
 def digest(model: torch.nn.Module) -> str:
@@ -64,7 +84,6 @@ def main() -> None:
     dist.init_process_group("gloo")
     from distributed_strategy import count_mean, global_count, prepare_model
     from distributed_strategy.fault_tolerance import fault_tolerance_of
-    from toy_models import Regressor
 
     config = {
         "strategy": "ddp",
@@ -78,7 +97,7 @@ def main() -> None:
         },
     }
     model = prepare_model(
-        Regressor,
+        Gated,
         {"width": WIDTH},
         config=config,
         device="cpu",
@@ -106,7 +125,8 @@ def main() -> None:
                 break
             x, y, mask = batch(replica_id, step)
             count = global_count(mask, model=model)  # the live groups' samples only
-            count_mean(loss_sum(model, x, y, mask), count, model=model).backward()
+            summed = loss_sum(model, x, y, mask, uses_aux(replica_id, step))
+            count_mean(summed, count, model=model).backward()
             optimizer.step()
             record(
                 step=step,

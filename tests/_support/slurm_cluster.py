@@ -154,8 +154,8 @@ def _wait_idle(env: dict[str, str], folder: Path) -> None:
 def _wait_gone(pid_file: Path) -> None:
     deadline = time.monotonic() + 20
     while pid_file.exists() and time.monotonic() < deadline:
-        try:
+        try:  # the daemon may remove its pid file between the check and the read
             os.kill(int(pid_file.read_text().strip() or "0"), 0)
-        except (ProcessLookupError, ValueError):
+        except (ProcessLookupError, ValueError, FileNotFoundError):
             return
         time.sleep(0.2)

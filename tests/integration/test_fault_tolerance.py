@@ -190,20 +190,23 @@ def _replay(trained: dict[int, set[int]]) -> dict[str, torch.Tensor]:
     """The committed steps in one process: each step's batches of the groups that trained it."""
     sys.path.insert(0, str(SUPPORT))
     try:
-        from ft_worker import WIDTH, batch, loss_sum
+        from ft_worker import WIDTH, Gated, batch, loss_sum, uses_aux
         from replica_init import build_replicated_model
-        from toy_models import Regressor
     finally:
         sys.path.remove(str(SUPPORT))
     model = build_replicated_model(
-        Regressor, {"width": WIDTH}, device="cpu", default_dtype=torch.float32, seed=0
+        Gated, {"width": WIDTH}, device="cpu", default_dtype=torch.float32, seed=0
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in sorted(trained):
-        parts = [batch(replica, step) for replica in sorted(trained[step])]
-        x, y, mask = (torch.cat([p[i] for p in parts]) for i in range(3))
+        parts = {replica: batch(replica, step) for replica in sorted(trained[step])}
+        total = sum(loss_sum(model, *p, uses_aux(replica, step)) for replica, p in parts.items())
+        count = sum(float(p[2].sum()) for p in parts.values())
         optimizer.zero_grad()
-        (loss_sum(model, x, y, mask) / mask.sum()).backward()  # over the samples that count
+        (total / count).backward()  # over the samples that count
+        for param in model.parameters():  # what no group used: zeros, as under the groups
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
         optimizer.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
 

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd import Variable
 
 from ddp_wrap import unwrap_ddp_module
 from dist_core import agree, log_rank0, set_replica_reduce
@@ -49,18 +50,23 @@ class FaultTolerance:
         manager: torchft's ``Manager`` (quorum, commit, heal).
     """
 
-    def __init__(self, config: FaultToleranceConfig, manager: Manager, model: nn.Module) -> None:
+    def __init__(
+        self, config: FaultToleranceConfig, manager: Manager, cross: Any, model: nn.Module
+    ) -> None:
         self.config = config
         self.manager = manager
+        self._cross = cross
         self._module = unwrap_ddp_module(model)
         self._optimizer: torch.optim.Optimizer | None = None
+        self._reduced: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer under the manager's commit, its state healed with the model's.
 
         ``zero_grad()`` starts the step's quorum (a group behind the others receives the
-        weights and optimizer state of a live peer there, before its forward); ``step()``
-        runs only if every live group's step succeeded (``manager.should_commit()``).
+        weights and optimizer state of a live peer there, before its forward): call it before
+        each step's first forward, the first step's included. ``step()`` runs only if every
+        live group's step succeeded (``manager.should_commit()``).
 
         Raises:
             TypeError: If ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -101,8 +107,23 @@ class FaultTolerance:
         return int(self.manager.num_participants())
 
     def shutdown(self) -> None:
-        """Stop the manager's servers and threads (the process group stays)."""
+        """Stop the manager's servers and threads and the cross-group process group.
+
+        The group's own (default) process group stays.
+        """
         self.manager.shutdown(wait=False)
+        self._cross.shutdown()
+
+    def _fill_unused(self) -> None:
+        """At the end of a backward: the live groups' mean for what this group left unused."""
+        # NOTE: DDP leaves .grad untouched for a parameter no rank of *its* group used, though
+        # the cross-group reduce put the other groups' mean in its bucket slot: without this,
+        # one group would step a parameter another skips, and the replicas drift. A parameter
+        # no live group used gets zeros (the same on every group).
+        for param, reduced in self._reduced:
+            if param.grad is None:
+                param.grad = reduced.detach().clone()
+        self._reduced.clear()
 
 
 def fault_tolerance_of(model: nn.Module) -> FaultTolerance:
@@ -207,9 +228,9 @@ def attach_fault_tolerance(
         lighthouse_addr=config.lighthouse,
         replica_id=f"replica_{config.replica_id}",
     )
-    handle = FaultTolerance(config, manager, model)
+    handle = FaultTolerance(config, manager, cross, model)
     set_replica_reduce(model, _LiveGroups(manager))  # global_count: the live groups' tokens
-    model.register_comm_hook(manager, _managed_hook(dist.get_world_size()))  # type: ignore[operator]
+    model.register_comm_hook(handle, _managed_hook(dist.get_world_size()))  # type: ignore[operator]
     _ATTACHED[model] = handle
     log_rank0(
         logger,
@@ -243,10 +264,16 @@ class _LiveGroups:
         return int(self._manager.num_participants())
 
 
-def _managed_hook(group_size: int) -> Callable[[Manager, Any], torch.futures.Future[torch.Tensor]]:
+def _managed_hook(
+    group_size: int,
+) -> Callable[[FaultTolerance, Any], torch.futures.Future[torch.Tensor]]:
     """DDP's comm hook: the group's mean, then the mean over the live groups."""
 
-    def hook(manager: Manager, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    def hook(handle: FaultTolerance, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        # At the backward's end (after DDP's own callback): the first run fills, the rest find
+        # the list empty.
+        Variable._execution_engine.queue_callback(handle._fill_unused)
+        handle._reduced.extend(zip(bucket.parameters(), bucket.gradients(), strict=True))
         buffer = bucket.buffer()
         if group_size > 1:
             dist.all_reduce(buffer)
@@ -254,7 +281,7 @@ def _managed_hook(group_size: int) -> Callable[[Manager, Any], torch.futures.Fut
         # NOTE: waited here, never chained: a peer that dies mid-reduce makes torchft's work
         # fail, which it records (the step then does not commit) instead of raising into
         # backward; the bucket's future is always completed.
-        manager.allreduce(buffer).wait()
+        handle.manager.allreduce(buffer).wait()
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(buffer)
         return done
