@@ -1,12 +1,15 @@
-"""One torchft replica group of one rank, run as its own process (its own job, as on a cluster).
+"""One torchft replica group, run as its own job (one process, or torchrun's ranks).
 
-``python ft_worker.py LIGHTHOUSE REPLICA_ID GROUPS LOG FINISH [DIE_AT]``: builds a seeded
-Gated regressor with ``prepare_model`` (DDP, ``fault_tolerance`` set), trains with AdamW on the batch
-of (replica id, step), its loss the mean over the samples that count in every live group
-(``global_count``, ``count_mean``), and appends one JSON line per step to LOG: the step it ran, whether it
-committed, the live groups and the weights' digest. With DIE_AT it SIGKILLs itself once step
-DIE_AT is logged. It stops at the step written in the file FINISH (when that file appears) and
-logs its final digest and weights.
+``python ft_worker.py LIGHTHOUSE REPLICA_ID GROUPS LOG FINISH CKPT [die]`` (one rank, DDP), or
+the same under torchrun with ``FT_STRATEGY=hsdp`` (HSDP inside the group). It builds a seeded
+Gated regressor with ``prepare_model`` (``fault_tolerance`` set) and trains with AdamW on the
+batch of (replica id, step, rank), its loss the mean over the samples that count in every live
+group (``global_count``, ``count_mean``). Each rank appends one JSON line per step to LOG
+(rank r > 0 to LOG.r): the step it ran, whether it committed, the live groups, the digest of
+its weights. Every SAVE_EVERY steps each group saves a checkpoint, with the manager's state,
+under CKPT/replica_<id> (resumed from there at the start); with ``die`` the group's last rank
+SIGKILLs itself inside the group's second save. It stops at the step written in the file
+FINISH (when that file appears) and logs its final digest and whole weights.
 """
 
 from __future__ import annotations
@@ -19,24 +22,27 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from toy_models import Regressor
 
 BATCH = 4
 WIDTH = 8
 STEP_PAUSE_S = 0.15
+SAVE_EVERY = 3
 
 
-def batch(replica: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The samples replica group ``replica`` trains on at ``step`` (the record's unit), and the
-    mask of those that count: 1 to BATCH of them, a different number per group and step, so
-    a mean of the groups' means is not the mean over the samples that counted."""
-    generator = torch.Generator().manual_seed(1_000_003 * replica + step)
+def batch(replica: int, step: int, rank: int = 0) -> tuple[torch.Tensor, ...]:
+    """The samples rank ``rank`` of replica group ``replica`` trains on at ``step`` (the
+    record's unit), and the mask of those that count: 1 to BATCH of them, a different number
+    per group, rank and step, so a mean of means is not the mean over the samples that count."""
+    generator = torch.Generator().manual_seed(1_000_003 * replica + 7_919 * rank + step)
     x = torch.randn(BATCH, WIDTH, generator=generator)
-    mask = (torch.arange(BATCH) <= (replica + step) % BATCH).float()
+    mask = (torch.arange(BATCH) <= (replica + rank + step) % BATCH).float()
     return x, x.sum(dim=1, keepdim=True).sin(), mask
 
 
@@ -54,8 +60,9 @@ class Gated(torch.nn.Module):
         return out + self.aux(x) if use_aux else out
 
 
-def uses_aux(replica: int, step: int) -> bool:
-    return (replica + step) % 3 == 0
+def uses_aux(strategy: str, replica: int, step: int) -> bool:
+    """DDP: the head at some steps in some groups. HSDP: never (see docs/fault-tolerance.md)."""
+    return strategy == "ddp" and (replica + step) % 3 == 0
 
 
 def loss_sum(
@@ -66,27 +73,57 @@ def loss_sum(
 
 
 def digest(model: torch.nn.Module) -> str:
+    """This rank's weights (its shards under HSDP), hashed."""
     hasher = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         hasher.update(name.encode())
-        hasher.update(tensor.detach().contiguous().numpy().tobytes())
+        hasher.update(local.detach().contiguous().numpy().tobytes())
     return hasher.hexdigest()
 
 
+class _Manager:
+    """The manager's state as a ``stateful=`` object; with ``die``, SIGKILLs this process in
+    its second save (a group that dies while a checkpoint is being written, one complete
+    checkpoint before it)."""
+
+    def __init__(self, manager: Any, die: bool) -> None:
+        self.manager, self.die, self.saves = manager, die, 0
+
+    def state_dict(self) -> dict[str, int]:
+        self.saves += 1
+        if self.die and self.saves == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        state: dict[str, int] = self.manager.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.manager.load_state_dict(state)
+
+
 def main() -> None:
-    lighthouse, replica, groups, log, finish = sys.argv[1:6]
-    die_at = int(sys.argv[6]) if len(sys.argv) > 6 else None
+    lighthouse, replica, groups, log, finish, ckpt_root = sys.argv[1:7]
+    die = sys.argv[7:] == ["die"]
     replica_id = int(replica)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    strategy = os.environ.get("FT_STRATEGY", "ddp")
+    if "RANK" not in os.environ:  # one rank, no torchrun
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo")
-    from distributed_strategy import count_mean, global_count, prepare_model
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from distributed_strategy import (
+        CheckpointManager,
+        count_mean,
+        global_count,
+        prepare_model,
+        unwrap_model,
+    )
     from distributed_strategy.fault_tolerance import fault_tolerance_of
 
     config = {
-        "strategy": "ddp",
+        "strategy": strategy,
         "fault_tolerance": {
             "lighthouse": lighthouse,
             "replica_id": replica_id,
@@ -105,9 +142,15 @@ def main() -> None:
         seed=0,
     )
     ft = fault_tolerance_of(model)
-    optimizer = ft.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # Each group checkpoints into its own directory, with the manager's state; the dying rank
+    # dies inside its group's second save.
+    checkpoints = CheckpointManager(Path(ckpt_root) / f"replica_{replica_id}", every=SAVE_EVERY)
+    stateful = {"torchft": _Manager(ft.manager, die and rank == world - 1)}
+    resumed = checkpoints.resume(model, inner, stateful=stateful)
+    optimizer = ft.wrap_optimizer(inner)
     finish_at: int | None = None
-    with open(log, "a", encoding="utf-8") as out:
+    with open(log if rank == 0 else f"{log}.{rank}", "a", encoding="utf-8") as out:
 
         def record(**fields: object) -> None:
             out.write(
@@ -116,6 +159,7 @@ def main() -> None:
             )
             out.flush()
 
+        record(resumed=resumed)
         while True:
             optimizer.zero_grad()  # the quorum: a group behind the others heals here
             step = ft.step
@@ -123,9 +167,9 @@ def main() -> None:
                 finish_at = int(Path(finish).read_text())
             if finish_at is not None and step >= finish_at:
                 break
-            x, y, mask = batch(replica_id, step)
+            x, y, mask = batch(replica_id, step, rank)
             count = global_count(mask, model=model)  # the live groups' samples only
-            summed = loss_sum(model, x, y, mask, uses_aux(replica_id, step))
+            summed = loss_sum(model, x, y, mask, uses_aux(strategy, replica_id, step))
             count_mean(summed, count, model=model).backward()
             optimizer.step()
             record(
@@ -134,10 +178,12 @@ def main() -> None:
                 participants=ft.manager.num_participants(),
                 digest=digest(model),
             )
-            if step == die_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+            checkpoints.maybe_save(ft.step, model, inner, stateful=stateful)
             time.sleep(STEP_PAUSE_S)
-        weights = {k: v.tolist() for k, v in model.module.state_dict().items()}
+        state = unwrap_model(model).state_dict()
+        weights = {  # the whole tensors (a collective under HSDP)
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).tolist() for k, v in state.items()
+        }
         record(final=digest(model), step=ft.step, weights=weights)
     ft.shutdown()
     dist.destroy_process_group()

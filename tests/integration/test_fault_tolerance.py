@@ -26,15 +26,17 @@ import pytest
 import torch
 
 SUPPORT = Path(__file__).parents[1] / "_support"
+SAVE_EVERY = 3  # ft_worker's
 WORKER = SUPPORT / "ft_worker.py"
-DIE_AT = 6
 # float32 replay of ~20 AdamW steps: the groups sum 3 gradients over gloo and divide, the
 # reference takes one mean over the 12 samples; measured differences are ~1e-7.
 REFERENCE_BOUND = 1e-5
 
 
-# A dead group is dropped after 1 s without a heartbeat; a quorum waits 200 ms for stragglers.
-_FAST = ("--join_timeout_ms", "200", "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "1000")
+# A dead group is dropped after 1 s without a heartbeat. A live one that is slow to join (2
+# cores shared by every rank) is waited for up to 2 s: with less, a quorum often formed
+# without it, and the groups took turns.
+_FAST = ("--join_timeout_ms", "2000", "--quorum_tick_ms", "50", "--heartbeat_timeout_ms", "1000")
 
 
 @pytest.fixture(scope="module")
@@ -94,21 +96,32 @@ def _steps(path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("strategy", "groups", "ranks"),
+    [("ddp", 3, 1), ("hsdp", 2, 2)],
+    ids=["ddp-3x1", "hsdp-2x2-torchrun"],
+)
 def test_a_killed_group_stops_nobody_heals_and_matches(
-    lighthouse: str, tmp_path: Path, process_group: None
+    lighthouse: str, tmp_path: Path, process_group: None, strategy: str, groups: int, ranks: int
 ) -> None:
-    finish = tmp_path / "finish"
+    finish, checkpoints = tmp_path / "finish", tmp_path / "checkpoints"
+    last = groups - 1  # the group that dies
     processes: list[subprocess.Popen[bytes]] = []
     env = {
         **os.environ,
+        "FT_STRATEGY": strategy,
         "PYTHONPATH": os.pathsep.join([str(SUPPORT), os.environ.get("PYTHONPATH", "")]),
     }
 
     def start(replica: int, log: str, *extra: str) -> subprocess.Popen[bytes]:
-        args = [sys.executable, str(WORKER), lighthouse, str(replica), "3"]
+        launch = [sys.executable]
+        if ranks > 1:  # the group is a torchrun job of its own
+            launch += ["-m", "torch.distributed.run", "--standalone", "--max-restarts", "0"]
+            launch += ["--nproc-per-node", str(ranks)]
+        args = [str(WORKER), lighthouse, str(replica), str(groups), str(tmp_path / f"{log}.log")]
         out = open(tmp_path / f"{log}.out", "wb")  # noqa: SIM115 (closed with the process)
         process = subprocess.Popen(
-            [*args, str(tmp_path / f"{log}.log"), str(finish), *extra],
+            [*launch, *args, str(finish), str(checkpoints), *extra],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
@@ -118,28 +131,31 @@ def test_a_killed_group_stops_nobody_heals_and_matches(
         return process
 
     try:
-        groups = [start(0, "g0"), start(1, "g1"), start(2, "g2", str(DIE_AT))]
-        _wait(lambda: groups[2].poll() is not None, "group 2's death", deadline_s=120)
-        assert groups[2].returncode == -signal.SIGKILL, _text(tmp_path / "g2.out")[-3000:]
+        running = [start(g, f"g{g}") for g in range(last)] + [start(last, "gx", "die")]
+        _wait(lambda: running[last].poll() is not None, "the group's death", deadline_s=120)
+        assert running[last].returncode != 0, _text(tmp_path / "gx.out")[-3000:]
         # The survivors commit on their own, with no restart.
         _wait(
             lambda: (
-                sum(s["committed"] and s["participants"] == 2 for s in _steps(tmp_path / "g0.log"))
+                sum(
+                    s["committed"] and s["participants"] == groups - 1
+                    for s in _steps(tmp_path / "g0.log")
+                )
                 >= 3
             ),
-            "steps committed by the two survivors",
-            groups[0],
+            "steps committed by the survivors",
+            running[0],
         )
         restarted_at = time.time()
-        restarted = start(2, "g2b")
+        restarted = start(last, "gy")
         _wait(
-            lambda: any(s["participants"] == 3 for s in _steps(tmp_path / "g2b.log")),
+            lambda: any(s["participants"] == groups for s in _steps(tmp_path / "gy.log")),
             "a step of the healed group",
             restarted,
         )
-        last = max(s["step"] for s in _steps(tmp_path / "g0.log"))
-        finish.write_text(str(last + 4))
-        for process in (groups[0], groups[1], restarted):
+        end = max(s["step"] for s in _steps(tmp_path / "g0.log"))
+        finish.write_text(str(end + 4))
+        for process in [*running[:last], restarted]:
             process.wait(timeout=60)
             assert process.returncode == 0, _text(tmp_path / "g0.out")[-3000:]
     finally:
@@ -148,65 +164,111 @@ def test_a_killed_group_stops_nobody_heals_and_matches(
                 os.kill(process.pid, signal.SIGKILL)
                 process.wait()
 
-    logs = {name: _lines(tmp_path / f"{name}.log") for name in ("g0", "g1", "g2", "g2b")}
-    finals = {name: log[-1] for name, log in logs.items() if name != "g2"}
-    # Healed: the three groups end bit for bit the same, at the same step.
-    assert len({f["final"] for f in finals.values()}) == 1, finals
+    names = [f"g{g}" for g in range(last)] + ["gx", "gy"]
+    logs = {name: _lines(tmp_path / f"{name}.log") for name in names}
+    finals = {name: log[-1] for name, log in logs.items() if name != "gx"}
+    # Healed: every group ends bit for bit the same (each rank its shards), at the same step.
+    for rank in range(ranks):
+        suffix = f".{rank}" if rank else ""
+        ends = {_lines(tmp_path / f"{name}.log{suffix}")[-1]["final"] for name in finals}
+        assert len(ends) == 1, (rank, ends)
     assert len({f["step"] for f in finals.values()}) == 1
-    # The killed group died at DIE_AT; the restarted one joined later, at the others' step
-    # (it received their state: it did not start again from step 0).
-    assert max(s["step"] for s in _steps(tmp_path / "g2.log")) == DIE_AT
-    healed_first = _steps(tmp_path / "g2b.log")[0]["step"]
-    assert healed_first > DIE_AT + 3
+    # The killed group died in its second save, of step died_in (after training the step
+    # before); the restarted one resumed from its last complete checkpoint, then healed to the
+    # others' step.
+    died_in = max(s["step"] for s in _steps(tmp_path / "gx.log")) + 1
+    assert died_in % SAVE_EVERY == 0
+    assert _lines(tmp_path / "gy.log")[0]["resumed"] == died_in - SAVE_EVERY
+    healed_first = _steps(tmp_path / "gy.log")[0]["step"]
+    assert healed_first > died_in + 3
 
     # The record: which groups trained each committed step (every group logs its own).
     trained: dict[int, set[int]] = {}
-    for name in ("g0", "g1", "g2", "g2b"):
+    for name in names:
         for s in _steps(tmp_path / f"{name}.log"):
             if s["committed"]:
                 trained.setdefault(s["step"], set()).add(s["replica"])
     for s in _steps(tmp_path / "g0.log"):
         if s["committed"]:
             assert len(trained[s["step"]]) == s["participants"], s  # the record is complete
-    # Group 2's samples lost while it was down: every step the others committed without it.
-    lost = sorted(step for step, groups_ in trained.items() if 2 not in groups_ and step > DIE_AT)
-    assert lost == list(range(DIE_AT + 1, healed_first))
+    # The dead group's samples lost while it was down: every step the others committed
+    # without it.
+    lost = sorted(step for step, in_ in trained.items() if last not in in_ and step >= died_in)
+    assert lost[: healed_first - died_in] == list(range(died_in, healed_first))
 
-    # One process over the committed samples reaches the same weights.
-    reference = _replay(trained)
+    # One process over the committed samples (every rank's of every group) reaches the same
+    # weights.
+    reference = _replay(trained, strategy, ranks)
     worst = max(
         (torch.tensor(value) - reference[key]).abs().max().item()
         for key, value in finals["g0"]["weights"].items()
     )
     assert worst <= REFERENCE_BOUND, worst
-    heal_s = _steps(tmp_path / "g2b.log")[0]["t"] - restarted_at
+    _check_the_checkpoint_left(checkpoints / f"replica_{last}", died_in, trained, strategy, ranks)
+    heal_s = _steps(tmp_path / "gy.log")[0]["t"] - restarted_at
     sys.stdout.write(
-        f"fault tolerance: restart to first committed step {heal_s:.1f} s, "
-        f"{len(lost)} steps lost, weights within {worst:.2e} of the replay\n"
+        f"fault tolerance, {strategy} {groups}x{ranks}: restart to first committed step "
+        f"{heal_s:.1f} s, {len(lost)} steps lost, weights within {worst:.2e} of the replay\n"
     )
 
 
-def _replay(trained: dict[int, set[int]]) -> dict[str, torch.Tensor]:
-    """The committed steps in one process: each step's batches of the groups that trained it."""
+def _check_the_checkpoint_left(
+    root: Path, died_in: int, trained: dict[int, set[int]], strategy: str, ranks: int
+) -> None:
+    """The dead group's checkpoints: the one being written when it died never appeared (the
+    restarted group resumed from the one before and saved only past the others' step); that
+    one loads without torchft, in one process, at its step."""
+    from checkpoint_io import load_checkpoint
+
+    assert not (root / f"step-{died_in}").exists()
+    latest = root / f"step-{died_in - SAVE_EVERY}"
+    model, optimizer = _plain_model()
+
+    info = load_checkpoint(latest, model, optimizer)  # the manager's state left out
+    assert info.world_size == ranks  # saved by the group's ranks, loaded by one process
+    assert info.step == died_in - SAVE_EVERY
+    before = {step: groups_ for step, groups_ in trained.items() if step < died_in - SAVE_EVERY}
+    reference = _replay(before, strategy, ranks)
+    worst = max((model.state_dict()[k] - v).abs().max().item() for k, v in reference.items())
+    assert worst <= REFERENCE_BOUND, worst
+
+
+def _plain_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The workers' model, built as they build it, in this process, with its AdamW."""
     sys.path.insert(0, str(SUPPORT))
     try:
-        from ft_worker import WIDTH, Gated, batch, loss_sum, uses_aux
+        from ft_worker import WIDTH, Gated
         from replica_init import build_replicated_model
     finally:
         sys.path.remove(str(SUPPORT))
     model = build_replicated_model(
         Gated, {"width": WIDTH}, device="cpu", default_dtype=torch.float32, seed=0
     )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _replay(trained: dict[int, set[int]], strategy: str, ranks: int) -> dict[str, torch.Tensor]:
+    """The committed steps in one process: each step's batches of the groups that trained it."""
+    sys.path.insert(0, str(SUPPORT))
+    try:
+        from ft_worker import batch, loss_sum, uses_aux
+    finally:
+        sys.path.remove(str(SUPPORT))
+    model, optimizer = _plain_model()
     for step in sorted(trained):
-        parts = {replica: batch(replica, step) for replica in sorted(trained[step])}
-        total = sum(loss_sum(model, *p, uses_aux(replica, step)) for replica, p in parts.items())
-        count = sum(float(p[2].sum()) for p in parts.values())
+        parts = [
+            (batch(replica, step, rank), uses_aux(strategy, replica, step))
+            for replica in sorted(trained[step])
+            for rank in range(ranks)
+        ]
+        total = sum(loss_sum(model, *part, aux) for part, aux in parts)
+        count = sum(float(part[2].sum()) for part, _ in parts)
         optimizer.zero_grad()
         (total / count).backward()  # over the samples that count
-        for param in model.parameters():  # what no group used: zeros, as under the groups
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
+        if strategy == "ddp":  # what no DDP group used: zeros, as under the groups
+            for param in model.parameters():
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
         optimizer.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
 
@@ -239,13 +301,4 @@ def test_an_unreachable_lighthouse_is_named_before_anything_is_built(process_gro
     text = str(info.value)
     assert f"lighthouse at http://127.0.0.1:{port}" in text
     assert "connect_timeout_s=1" in text and "torchft_lighthouse --bind" in text
-    assert not built
-
-
-def test_fault_tolerance_beyond_ddp_is_refused_before_anything_is_built(
-    process_group: None,
-) -> None:
-    built: list[int] = []
-    with pytest.raises(ValueError, match="strategy 'hsdp' is not built into prepare_model yet"):
-        _prepare(_config("127.0.0.1:1", strategy="hsdp"), built)
     assert not built

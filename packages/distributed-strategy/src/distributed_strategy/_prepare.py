@@ -190,13 +190,7 @@ def _plan(
         )
     target = resolve_device(device)
     plan = _Plan(settings, trainable, tuple(forward_methods), target, shard, Stages(target))
-    if settings.fault_tolerance is not None:
-        if settings.strategy != "ddp":
-            raise ValueError(
-                f"training.distributed.fault_tolerance with strategy {settings.strategy!r} is "
-                "not built into prepare_model yet (DDP's replica groups are); use strategy: ddp, "
-                "or remove fault_tolerance"
-            )
+    if settings.fault_tolerance is not None:  # DDP or HSDP (strategy-config refuses FSDP)
         check_lighthouse(settings.fault_tolerance)  # before anything is built
     if settings.strategy == "hsdp":
         replicate, plan.shard_degree = settings.hsdp_mesh_shape(dist.get_world_size())
@@ -255,9 +249,7 @@ def _replicated(plan: _Plan, build: _Build) -> tuple[nn.Module, str | None]:
         wrapped = wrap_module_ddp(
             model, device=plan.target, forward_methods=plan.names, **plan.settings.ddp_options()
         )
-        if plan.settings.fault_tolerance is not None:
-            attach_fault_tolerance(wrapped, plan.settings.fault_tolerance, plan.target)
-    return wrapped, fingerprint
+    return _managed(plan, wrapped), fingerprint
 
 
 def _sharded(plan: _Plan, build: _Build) -> tuple[nn.Module, str | None]:
@@ -275,7 +267,7 @@ def _sharded(plan: _Plan, build: _Build) -> tuple[nn.Module, str | None]:
         )
 
     if build.pretrained is not None:  # sharded on meta, then each rank loads its slices
-        return _from_file(plan, build, shard_it), None
+        return _managed(plan, _from_file(plan, build, shard_it)), None
     built = build_sharded_model(
         build.model_cls,
         build.init_params,
@@ -289,7 +281,14 @@ def _sharded(plan: _Plan, build: _Build) -> tuple[nn.Module, str | None]:
         stage=plan.stages,
         shard_degree=plan.shard_degree,
     )
-    return built.module, built.fingerprint
+    return _managed(plan, built.module), built.fingerprint
+
+
+def _managed(plan: _Plan, model: nn.Module) -> nn.Module:
+    """Under ``fault_tolerance``: the group's Manager attached, its reductions across groups."""
+    if plan.settings.fault_tolerance is not None:
+        attach_fault_tolerance(model, plan.settings.fault_tolerance, plan.target)
+    return model
 
 
 def _from_file(

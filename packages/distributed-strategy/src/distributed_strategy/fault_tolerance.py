@@ -1,9 +1,10 @@
-"""torchft's replica groups under ``prepare_model``: DDP that keeps training through a failure.
+"""torchft's replica groups under ``prepare_model``: DDP and HSDP that train through a failure.
 
 A replica group is one job (torchrun, or one srun step) with its own default process group;
-the groups meet at torchft's lighthouse. Inside a group DDP averages over the group's ranks as
-always; across groups a comm hook averages each bucket through torchft's ``Manager`` over the
-groups that are live this step. A group that dies stops nobody: its step is discarded where it
+the groups meet at torchft's lighthouse. Inside a group DDP (or FSDP2's HSDP) reduces over the
+group's ranks as always; across groups each bucket (DDP's comm hook) or each reduced shard
+(FSDP2's all-reduce hook) is averaged through torchft's ``Manager`` over the groups that are
+live this step. A group that dies stops nobody: its step is discarded where it
 was in flight, the others commit theirs, and a group that comes back heals from a live peer
 (weights and optimizer state, through torchft's transport) before its first step.
 
@@ -28,7 +29,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from ddp_wrap import unwrap_ddp_module
-from dist_core import agree, log_rank0, set_replica_reduce
+from dist_core import agree, fsdp_modules, log_rank0, set_replica_reduce, strategy_of
 from strategy_config import FaultToleranceConfig
 
 if TYPE_CHECKING:
@@ -114,6 +115,10 @@ class FaultTolerance:
         self.manager.shutdown(wait=False)
         self._cross.shutdown()
 
+    def _reduce_shard(self, output: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook: the live groups' mean of a reduced shard, in place."""
+        self.manager.allreduce(output).wait()
+
     def _fill_unused(self) -> None:
         """At the end of a backward: the live groups' mean for what this group left unused."""
         # NOTE: DDP leaves .grad untouched for a parameter no rank of *its* group used, though
@@ -182,7 +187,10 @@ def check_lighthouse(config: FaultToleranceConfig) -> None:
 def attach_fault_tolerance(
     model: nn.Module, config: FaultToleranceConfig, device: torch.device
 ) -> FaultTolerance:
-    """Start this group's ``Manager`` and average DDP's gradients across the live groups.
+    """Start this group's ``Manager`` and average the gradients across the live groups.
+
+    DDP: a comm hook on each bucket. FSDP2 (HSDP inside the group, or FSDP over it): an
+    all-reduce hook on each FSDP module, after the group's own reduction.
 
     The group's store is its default process group's (``MASTER_ADDR``/``MASTER_PORT``, as
     torchrun and ``init_distributed`` set them); the cross-group process group is gloo on the
@@ -191,11 +199,14 @@ def attach_fault_tolerance(
     from torchft import Manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
+    ddp = strategy_of(model) == "ddp"
     # NOTE: the groups reduce DDP's buckets element by element, so every group must hold the
     # same layout. DDP rebuilds its buckets after its first backward unless it looks for
     # unused parameters without a static graph; a group that heals mid-run is then in its
     # first step while its peers are past theirs. strategy-config's ddp_options set it.
-    if not getattr(model, "find_unused_parameters", False) or getattr(model, "static_graph", True):
+    if ddp and (
+        not getattr(model, "find_unused_parameters", False) or getattr(model, "static_graph", True)
+    ):
         raise RuntimeError(
             "fault tolerance needs DDP built with find_unused_parameters=True and "
             "static_graph=False (a fixed bucket layout in every replica group); wrap it with "
@@ -230,13 +241,22 @@ def attach_fault_tolerance(
     )
     handle = FaultTolerance(config, manager, cross, model)
     set_replica_reduce(model, _LiveGroups(manager))  # global_count: the live groups' tokens
-    model.register_comm_hook(handle, _managed_hook(dist.get_world_size()))  # type: ignore[operator]
+    if ddp:
+        model.register_comm_hook(handle, _managed_hook(dist.get_world_size()))  # type: ignore[operator]
+    else:
+        # NOTE: FSDP2 hands the hook each unit's reduced shard (after HSDP's in-group
+        # all-reduce); rank r of every group holds shard r of the same units, so the groups
+        # reduce the same layout. A unit reduces only the parameters that have a gradient:
+        # every group must give a unit's parameters gradients alike.
+        for unit in fsdp_modules(model):
+            unit.set_all_reduce_hook(handle._reduce_shard)
     _ATTACHED[model] = handle
     log_rank0(
         logger,
         logging.INFO,
-        "fault tolerance: replica group %d of %d at lighthouse %s, %d rank(s) in this group, "
-        "a step commits with >= %d live group(s)",
+        "fault tolerance (%s): replica group %d of %d at lighthouse %s, %d rank(s) in this "
+        "group, a step commits with >= %d live group(s)",
+        strategy_of(model).upper(),
         config.replica_id,
         config.replica_groups,
         config.lighthouse,
