@@ -10,6 +10,7 @@ ones its record names.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -302,3 +304,38 @@ def test_an_unreachable_lighthouse_is_named_before_anything_is_built(process_gro
     assert f"lighthouse at http://127.0.0.1:{port}" in text
     assert "connect_timeout_s=1" in text and "torchft_lighthouse --bind" in text
     assert not built
+
+
+def test_a_replica_id_in_use_is_refused_before_anything_is_built(
+    lighthouse: str, process_group: None
+) -> None:
+    """A live group heartbeating as replica_0 (torchft's own client, as a Manager does)."""
+    from torchft._torchft import LighthouseClient
+
+    client = LighthouseClient(f"http://{lighthouse}", datetime.timedelta(seconds=5))
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            client.heartbeat("replica_0:a-live-group")
+            stop.wait(0.1)
+
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    built: list[int] = []
+    try:
+        time.sleep(0.3)
+        with pytest.raises(ValueError) as info:
+            _prepare(_config(lighthouse), built)
+    finally:
+        stop.set()
+        beating.join(timeout=10)
+    text = str(info.value)
+    assert "fault_tolerance.replica_id=0 is in use" in text and "replica_0" in text
+    assert "give every group its own replica_id, 0 .. replica_groups - 1 = 1" in text
+    assert not built
+    time.sleep(1.5)  # the id is free once its heartbeats stop: the same config passes the check
+    from distributed_strategy.fault_tolerance import check_lighthouse
+    from strategy_config import FaultToleranceConfig
+
+    check_lighthouse(FaultToleranceConfig.from_mapping(_config(lighthouse)["fault_tolerance"]))
