@@ -33,6 +33,16 @@ torchrun restarts the job (a rank killed at any moment, a save included):
     torchrun --nproc-per-node 2 --max-restarts 3 docs/examples/train.py --steps 20 \
         --ckpt-dir runs/ckpt --ckpt-every 2 --keep-last 3 --async-save --save-on-sigterm
 
+Fault tolerance (torchft, see docs/fault-tolerance.md): each replica group is its own job,
+the groups meet at the lighthouse; a group that dies is started again and heals from a live
+peer while the others train on:
+
+    torchft_lighthouse --bind "[::]:29510" --min_replicas 1 &
+    torchrun --standalone --nproc-per-node 1 docs/examples/train.py --steps 50 \
+        --fault-tolerance localhost:29510 --replica-id 0 --replica-groups 2 &
+    torchrun --standalone --nproc-per-node 1 docs/examples/train.py --steps 50 \
+        --fault-tolerance localhost:29510 --replica-id 1 --replica-groups 2
+
 On a GPU host it uses NCCL and one GPU per rank. It builds the model with ``prepare_model``
 (identical replicas, verified), freezes the encoder with a trainable policy, trains a few
 steps of AdamW on per-rank data, and prints the loss and a fingerprint of the full weights from
@@ -73,6 +83,7 @@ from distributed_strategy import (
     save_checkpoint,
     state_fingerprint,
 )
+from distributed_strategy.fault_tolerance import fault_tolerance_of
 
 
 class Block(nn.Module):
@@ -173,6 +184,14 @@ def main() -> None:
         help="after such a save, requeue the SLURM job (scontrol requeue) from rank 0",
     )
     parser.add_argument(
+        "--fault-tolerance",
+        default=None,
+        metavar="HOST:PORT",
+        help="train as one replica group of torchft's, its lighthouse at HOST:PORT (DDP)",
+    )
+    parser.add_argument("--replica-id", type=int, default=0, help="with --fault-tolerance")
+    parser.add_argument("--replica-groups", type=int, default=1, help="with --fault-tolerance")
+    parser.add_argument(
         "--pg-timeout-s",
         type=float,
         default=60.0,
@@ -186,6 +205,15 @@ def main() -> None:
         parser.error("--global-batch and --micro-batch must be >= 1")
     if args.variable_length and args.global_batch is None:
         parser.error("--variable-length reads sample-order's global batches: add --global-batch")
+    if args.fault_tolerance and args.global_batch is not None:
+        parser.error("--fault-tolerance draws each group's own batches: drop --global-batch")
+    config: dict[str, Any] = {"strategy": args.strategy}
+    if args.fault_tolerance:  # checked by strategy-config (fsdp is refused, naming both keys)
+        config["fault_tolerance"] = {
+            "lighthouse": args.fault_tolerance,
+            "replica_id": args.replica_id,
+            "replica_groups": args.replica_groups,
+        }
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     # NCCL bound to this rank's GPU where CUDA is available (gloo elsewhere), a store prefix
@@ -214,7 +242,7 @@ def main() -> None:
         model = prepare_model(
             TinyNet,
             {"width": 32, "depth": 4},
-            config={"strategy": args.strategy},
+            config=config,
             device=device,
             default_dtype=torch.float32,
             seed=args.seed,
@@ -222,6 +250,9 @@ def main() -> None:
             forward_methods=["loss", "loss_sum"],
         )
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
+        ft = fault_tolerance_of(model) if args.fault_tolerance else None
+        # Under fault tolerance the manager's step is saved and restored with the checkpoints.
+        stateful = {"torchft": ft.manager} if ft is not None else None
         first = 0
         if args.resume:  # any strategy, any world size: DCP reshards
             first = load_checkpoint(args.resume, model, optimizer).step or 0
@@ -240,11 +271,22 @@ def main() -> None:
                 ),
                 requeue=args.requeue,
             )
-            first = manager.resume(model, optimizer)
-        for step in range(first, args.steps):
+            first = manager.resume(model, optimizer, stateful=stateful)
+        # torchft's commit: zero_grad() joins the step's quorum (a group behind heals there),
+        # step() runs only if every live group's step succeeded.
+        stepper = ft.wrap_optimizer(optimizer) if ft is not None else optimizer
+        step = first
+        while step < args.steps:
+            if ft is not None:
+                stepper.zero_grad()
+                step = ft.step  # the step every live group committed: a healed group's too
+                if step >= args.steps:
+                    break
             if order is None:
-                # A step's data depends only on (seed, rank, step): a resumed run sees the same.
-                data = torch.Generator().manual_seed(derive_seed(args.seed, "data", rank, step))
+                # A step's data depends only on (seed, rank, step), and the replica group: a
+                # resumed run sees the same.
+                keys = (rank, step) if ft is None else (f"group{args.replica_id}", rank, step)
+                data = torch.Generator().manual_seed(derive_seed(args.seed, "data", *keys))
                 x = torch.randn(args.batch_size, 32, generator=data).to(device)
                 y = x.sum(dim=1, keepdim=True).div(32)
                 micro = list(zip(x.chunk(args.grad_accum), y.chunk(args.grad_accum), strict=True))
@@ -278,8 +320,9 @@ def main() -> None:
                 total += loss.item()
             if args.clip is not None:
                 norm = clip_grad_norm(model, args.clip)  # the same value on every rank
-            optimizer.step()
-            optimizer.zero_grad()
+            stepper.step()
+            if ft is None:
+                optimizer.zero_grad()
             if rank == 0:
                 clipped = f", grad norm {norm.item():.6f}" if args.clip is not None else ""
                 print(f"step {step}: loss {total:.6f}{clipped}{seen}")
@@ -287,9 +330,13 @@ def main() -> None:
             time.sleep(float(os.environ.get("TRAIN_TEST_STEP_SLEEP", "0")))  # tests: a slow step
             if manager is not None:
                 _test_kill(rank, step + 1, "save")
-                manager.maybe_save(step + 1, model, optimizer)  # steps completed so far
+                done = step + 1 if ft is None else ft.step  # steps completed so far
+                manager.maybe_save(done, model, optimizer, stateful=stateful)
+            step = step + 1 if ft is None else ft.step
         if manager is not None:
             manager.close()  # waits for a background save
+        if ft is not None:
+            ft.shutdown()
         if args.save:
             save_checkpoint(args.save, model, optimizer, step=args.steps, overwrite=True)
         full = full_state_dict(model)  # plain CPU tensors on rank 0, under either strategy

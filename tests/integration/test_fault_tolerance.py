@@ -10,6 +10,7 @@ ones its record names.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -44,11 +45,16 @@ _FAST = ("--join_timeout_ms", "2000", "--quorum_tick_ms", "50", "--heartbeat_tim
 @pytest.fixture(scope="module")
 def lighthouse(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The real lighthouse as its own process, ``localhost:PORT``; stopped by its PID."""
-    folder = tmp_path_factory.mktemp("lighthouse")
+    with _lighthouse(tmp_path_factory.mktemp("lighthouse"), min_replicas=1) as address:
+        yield address
+
+
+@contextlib.contextmanager
+def _lighthouse(folder: Path, *, min_replicas: int) -> Iterator[str]:
     executable = Path(sys.executable).parent / "torchft_lighthouse"
     with open(folder / "stderr", "wb") as err:
         process = subprocess.Popen(
-            [str(executable), "--bind", "[::]:0", "--min_replicas", "1", *_FAST],
+            [str(executable), "--bind", "[::]:0", "--min_replicas", str(min_replicas), *_FAST],
             stdout=subprocess.DEVNULL,
             stderr=err,
         )
@@ -335,7 +341,49 @@ def test_a_replica_id_in_use_is_refused_before_anything_is_built(
     assert "give every group its own replica_id, 0 .. replica_groups - 1 = 1" in text
     assert not built
     time.sleep(1.5)  # the id is free once its heartbeats stop: the same config passes the check
-    from distributed_strategy.fault_tolerance import check_lighthouse
+    from distributed_strategy._lighthouse import check_lighthouse
     from strategy_config import FaultToleranceConfig
 
     check_lighthouse(FaultToleranceConfig.from_mapping(_config(lighthouse)["fault_tolerance"]))
+
+
+@pytest.mark.multiprocess
+def test_the_example_trainer_runs_as_replica_groups(tmp_path: Path) -> None:
+    """docs/examples/train.py --fault-tolerance: two groups, one torchrun each, train together
+    (a lighthouse that waits for both before the first step) and end with the same weights."""
+    from example_runs import EXAMPLE
+
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    outs = [tmp_path / f"group{replica}.out" for replica in range(2)]
+    with _lighthouse(tmp_path, min_replicas=2) as address:
+        processes = []
+        for replica, out in enumerate(outs):
+            group = ["--fault-tolerance", address, "--replica-id", str(replica)]
+            with open(out, "wb") as sink:
+                processes.append(
+                    subprocess.Popen(
+                        [
+                            *launch,
+                            "--nproc-per-node",
+                            "1",
+                            str(EXAMPLE),
+                            "--steps",
+                            "4",
+                            *group,
+                            "--replica-groups",
+                            "2",
+                        ],
+                        stdout=sink,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        try:
+            for process, out in zip(processes, outs, strict=True):
+                assert process.wait(timeout=180) == 0, _text(out)[-3000:]
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    os.kill(process.pid, signal.SIGKILL)
+                    process.wait()
+    prints = [re.findall(r"ddp: final (?:fingerprint|weight sum) \S+", _text(o)) for o in outs]
+    assert len(prints[0]) == 2 and prints[0] == prints[1], prints

@@ -17,14 +17,9 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import re
-import socket
-import time
-import urllib.request
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -32,7 +27,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from ddp_wrap import unwrap_ddp_module
-from dist_core import agree, fsdp_modules, log_rank0, set_replica_reduce, strategy_of
+from dist_core import fsdp_modules, log_rank0, set_replica_reduce, strategy_of
 from strategy_config import FaultToleranceConfig
 
 if TYPE_CHECKING:
@@ -42,7 +37,6 @@ __all__ = ["FaultTolerance", "fault_tolerance_of"]
 
 logger = logging.getLogger(__name__)
 
-_INSTALL = "pip install torchft==0.2.0 (Linux, Python 3.11)"
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, FaultTolerance] = weakref.WeakKeyDictionary()
 
 
@@ -147,95 +141,6 @@ def fault_tolerance_of(model: nn.Module) -> FaultTolerance:
             "training.distributed.fault_tolerance and build it with prepare_model"
         )
     return found
-
-
-def check_lighthouse(config: FaultToleranceConfig) -> None:
-    """Before anything is built: torchft is importable and the lighthouse answers (collective).
-
-    The group's rank 0 (the one that talks to the lighthouse) opens a connection within
-    ``connect_timeout_s``, then reads the lighthouse's status: a live group that heartbeats
-    under this ``replica_id`` means the id is taken. Every rank of the group raises if either
-    check fails.
-
-    Raises:
-        ImportError: torchft is not installed (on every rank).
-        ConnectionError: The lighthouse cannot be reached, named with its address.
-        ValueError: Another live group uses this ``replica_id``.
-    """
-    failure: BaseException | None = None
-    try:
-        import torchft  # noqa: F401
-    except ImportError as error:
-        failure = ImportError(
-            f"training.distributed.fault_tolerance needs torchft ({error}); {_INSTALL}"
-        )
-    if failure is None and dist.get_rank() == 0:
-        address = urlsplit(config.lighthouse)
-        try:
-            with socket.create_connection(
-                (address.hostname or "", address.port or 0), timeout=config.connect_timeout_s
-            ):
-                pass
-        except OSError as error:
-            failure = ConnectionError(
-                f"the torchft lighthouse at {config.lighthouse} "
-                "(training.distributed.fault_tolerance.lighthouse) did not answer within "
-                f"connect_timeout_s={config.connect_timeout_s:g} s ({error}); start it first "
-                "(torchft_lighthouse --bind [::]:PORT --min_replicas N) or fix the address"
-            )
-        if failure is None:
-            failure = _replica_id_taken(config)
-    agree(
-        failure,
-        "reaching the torchft lighthouse",
-        kinds={
-            "ImportError": ImportError,
-            "ConnectionError": ConnectionError,
-            "ValueError": ValueError,
-        },
-    )
-
-
-# A manager heartbeats every 100 ms: one seen within this is alive. A group killed a moment ago
-# is seen once more, then ages past it (checked again after _RECHECK_S).
-_ALIVE_S = 1.0
-_RECHECK_S = 1.5
-_HEARTBEAT = re.compile(r"(replica_\d+):[\w-]+: seen ([0-9.]+)(ns|µs|us|ms|s) ago")
-_UNIT_S = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}
-
-
-def _replica_id_taken(config: FaultToleranceConfig) -> ValueError | None:
-    """A ``ValueError`` if a live group heartbeats under this group's ``replica_id``."""
-    name = f"replica_{config.replica_id}"
-    for attempt in range(2):
-        seen = _heartbeats(config).get(name)
-        if seen is None or seen > _ALIVE_S:
-            return None
-        if attempt == 0:
-            time.sleep(_RECHECK_S)  # a predecessor that just died stops heartbeating
-    return ValueError(
-        f"training.distributed.fault_tolerance.replica_id={config.replica_id} is in use: a live "
-        f"group heartbeats as {name} at the lighthouse {config.lighthouse} (seen {seen:.2f} s "
-        f"ago); give every group its own replica_id, 0 .. replica_groups - 1 = "
-        f"{config.replica_groups - 1}"
-    )
-
-
-def _heartbeats(config: FaultToleranceConfig) -> dict[str, float]:
-    """The freshest heartbeat per replica id on the lighthouse's status page (seconds ago)."""
-    try:
-        with urllib.request.urlopen(
-            f"{config.lighthouse}/status", timeout=config.connect_timeout_s
-        ) as response:
-            page = response.read(1 << 20).decode("utf-8", "replace")
-    except OSError as error:
-        logger.warning("could not read the lighthouse's status (%s): replica ids unchecked", error)
-        return {}
-    seen: dict[str, float] = {}
-    for name, value, unit in _HEARTBEAT.findall(page):
-        ago = float(value) * _UNIT_S[unit]
-        seen[name] = min(ago, seen.get(name, ago))
-    return seen
 
 
 def attach_fault_tolerance(
