@@ -5,8 +5,8 @@ the same under torchrun with ``FT_STRATEGY=hsdp`` (HSDP inside the group). It bu
 Gated regressor with ``prepare_model`` (``fault_tolerance`` set) and trains with AdamW on the
 batch of (replica id, step, rank), its loss the mean over the samples that count in every live
 group (``global_count``, ``count_mean``). Each rank appends one JSON line per step to LOG
-(rank r > 0 to LOG.r): the step it ran, whether it committed, the live groups, the digest of
-its weights. Every SAVE_EVERY steps each group saves a checkpoint, with the manager's state,
+(rank r > 0 to LOG.r): the step it ran, whether it committed, the live groups, a draw from
+the CPU stream after the quorum, the digest of its weights. Every SAVE_EVERY steps each group saves a checkpoint, with the manager's state,
 under CKPT/replica_<id> (resumed from there at the start); with ``die`` the group's last rank
 SIGKILLs itself inside the group's second save. It stops at the step written in the file
 FINISH (when that file appears) and logs its final digest and whole weights.
@@ -163,6 +163,7 @@ def main() -> None:
         while True:
             optimizer.zero_grad()  # the quorum: a group behind the others heals here
             step = ft.step
+            probe = torch.rand(1).item()  # the CPU stream, healed with the state
             if finish_at is None and Path(finish).is_file():
                 finish_at = int(Path(finish).read_text())
             if finish_at is not None and step >= finish_at:
@@ -176,6 +177,7 @@ def main() -> None:
                 step=step,
                 committed=ft.step == step + 1,
                 participants=ft.manager.num_participants(),
+                probe=probe,
                 digest=digest(model),
             )
             checkpoints.maybe_save(ft.step, model, inner, stateful=stateful)

@@ -190,6 +190,17 @@ def test_a_killed_group_stops_nobody_heals_and_matches(
     healed_first = _steps(tmp_path / "gy.log")[0]["step"]
     assert healed_first > died_in + 3
 
+    # The RNG streams came with the heal: at every committed step, every group (the healed
+    # one's first step included) drew the same from its CPU stream, rank by rank.
+    for rank in range(ranks):
+        suffix = f".{rank}" if rank else ""
+        draws: dict[int, set[float]] = {}
+        for name in names:
+            for s in _steps(tmp_path / f"{name}.log{suffix}"):
+                if s["committed"]:
+                    draws.setdefault(s["step"], set()).add(s["probe"])
+        assert all(len(values) == 1 for values in draws.values()), (rank, draws)
+
     # The record: which groups trained each committed step (every group logs its own).
     trained: dict[int, set[int]] = {}
     for name in names:

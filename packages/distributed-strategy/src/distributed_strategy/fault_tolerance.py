@@ -6,7 +6,8 @@ group's ranks as always; across groups each bucket (DDP's comm hook) or each red
 (FSDP2's all-reduce hook) is averaged through torchft's ``Manager`` over the groups that are
 live this step. A group that dies stops nobody: its step is discarded where it
 was in flight, the others commit theirs, and a group that comes back heals from a live peer
-(weights and optimizer state, through torchft's transport) before its first step.
+(weights, optimizer state and RNG streams, through torchft's transport) before its first
+step.
 
 A trainer's loop changes in one line: ``optimizer = fault_tolerance_of(model).wrap_optimizer(
 optimizer)``; ``zero_grad()`` then joins the step's quorum and ``step()`` commits it.
@@ -28,6 +29,7 @@ from torch.autograd import Variable
 
 from ddp_wrap import unwrap_ddp_module
 from dist_core import fsdp_modules, log_rank0, set_replica_reduce, strategy_of
+from rng_fork import RngState, capture_rng_state, restore_rng_state
 from strategy_config import FaultToleranceConfig
 
 if TYPE_CHECKING:
@@ -49,11 +51,17 @@ class FaultTolerance:
     """
 
     def __init__(
-        self, config: FaultToleranceConfig, manager: Manager, cross: Any, model: nn.Module
+        self,
+        config: FaultToleranceConfig,
+        manager: Manager,
+        cross: Any,
+        model: nn.Module,
+        device: torch.device,
     ) -> None:
         self.config = config
         self.manager = manager
         self._cross = cross
+        self._device = device
         self._module = unwrap_ddp_module(model)
         self._optimizer: torch.optim.Optimizer | None = None
         self._reduced: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -62,9 +70,9 @@ class FaultTolerance:
         """The optimizer under the manager's commit, its state healed with the model's.
 
         ``zero_grad()`` starts the step's quorum (a group behind the others receives the
-        weights and optimizer state of a live peer there, before its forward): call it before
-        each step's first forward, the first step's included. ``step()`` runs only if every
-        live group's step succeeded (``manager.should_commit()``).
+        weights, the optimizer state and the RNG streams of a live peer there, before its
+        forward): call it before each step's first forward, the first step's included.
+        ``step()`` runs only if every live group's step succeeded (``manager.should_commit()``).
 
         Raises:
             TypeError: If ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -88,12 +96,20 @@ class FaultTolerance:
 
     def _state(self) -> dict[str, Any]:
         assert self._optimizer is not None
-        return {"model": self._module.state_dict(), "optimizer": self._optimizer.state_dict()}
+        return {
+            "model": self._module.state_dict(),
+            "optimizer": self._optimizer.state_dict(),
+            "rng": capture_rng_state(self._device),
+        }
 
     def _load(self, state: dict[str, Any]) -> None:
         assert self._optimizer is not None
         self._module.load_state_dict(state["model"])
         self._optimizer.load_state_dict(state["optimizer"])
+        rng: RngState = state["rng"]
+        if rng["device"] is not None:  # the peer's rank r streams, onto this rank's device
+            rng = {**rng, "device": {**rng["device"], "index": self._device.index or 0}}
+        restore_rng_state(rng)
 
     @property
     def step(self) -> int:
@@ -198,7 +214,7 @@ def attach_fault_tolerance(
         lighthouse_addr=config.lighthouse,
         replica_id=f"replica_{config.replica_id}",
     )
-    handle = FaultTolerance(config, manager, cross, model)
+    handle = FaultTolerance(config, manager, cross, model, device)
     set_replica_reduce(model, _LiveGroups(manager))  # global_count: the live groups' tokens
     if ddp:
         model.register_comm_hook(handle, _managed_hook(dist.get_world_size()))  # type: ignore[operator]
