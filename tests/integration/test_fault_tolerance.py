@@ -308,6 +308,14 @@ def _prepare(config: dict[str, Any], built: list[int]) -> None:
     prepare_model(factory, None, config=config, device="cpu", default_dtype=torch.float32, seed=0)
 
 
+@pytest.fixture
+def group_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group's store named as torchrun names it (this process's group has a HashStore)."""
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+
+
+@pytest.mark.usefixtures("group_store")
 def test_an_unreachable_lighthouse_is_named_before_anything_is_built(process_group: None) -> None:
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))
@@ -323,6 +331,7 @@ def test_an_unreachable_lighthouse_is_named_before_anything_is_built(process_gro
     assert not built
 
 
+@pytest.mark.usefixtures("group_store")
 def test_a_replica_id_in_use_is_refused_before_anything_is_built(
     lighthouse: str, process_group: None
 ) -> None:
@@ -356,6 +365,30 @@ def test_a_replica_id_in_use_is_refused_before_anything_is_built(
     from strategy_config import FaultToleranceConfig
 
     check_lighthouse(FaultToleranceConfig.from_mapping(_config(lighthouse)["fault_tolerance"]))
+
+
+@pytest.mark.usefixtures("process_group")
+def test_a_group_without_torchft_or_its_store_is_refused_before_anything_is_built(
+    lighthouse: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[int] = []
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(RuntimeError, match=r"needs this group's store at MASTER_ADDR/MASTER_PORT"):
+        _prepare(_config(lighthouse), built)
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
+    with pytest.raises(ImportError) as info:
+        _prepare(_config(lighthouse), built)
+    assert "fault_tolerance needs torchft" in str(info.value)
+    assert "pip install torchft==0.2.0" in str(info.value)
+    assert not built
+
+
+def test_a_model_prepared_without_it_has_no_fault_tolerance() -> None:
+    from distributed_strategy.fault_tolerance import fault_tolerance_of
+    from toy_models import Regressor
+
+    with pytest.raises(ValueError, match="Regressor was not prepared with fault tolerance; set "):
+        fault_tolerance_of(Regressor())
 
 
 @pytest.mark.multiprocess

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -29,6 +28,7 @@ from torch.autograd import Variable
 
 from ddp_wrap import unwrap_ddp_module
 from dist_core import fsdp_modules, log_rank0, set_replica_reduce, strategy_of
+from distributed_strategy._lighthouse import group_store, replica_name
 from rng_fork import RngState, capture_rng_state, restore_rng_state
 from strategy_config import FaultToleranceConfig
 
@@ -167,14 +167,14 @@ def attach_fault_tolerance(
     DDP: a comm hook on each bucket. FSDP2 (HSDP inside the group, or FSDP over it): an
     all-reduce hook on each FSDP module, after the group's own reduction.
 
-    The group's store is its default process group's (``MASTER_ADDR``/``MASTER_PORT``, as
-    torchrun and ``init_distributed`` set them); the cross-group process group is gloo on the
-    CPU and NCCL on CUDA.
+    The group's store is its default process group's (:func:`group_store`); the cross-group
+    process group is gloo on the CPU and NCCL on CUDA.
     """
     from torchft import Manager
     from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-    ddp = strategy_of(model) == "ddp"
+    strategy = strategy_of(model)
+    ddp = strategy == "ddp"
     # NOTE: the groups reduce DDP's buckets element by element, so every group must hold the
     # same layout. DDP rebuilds its buckets after its first backward unless it looks for
     # unused parameters without a static graph; a group that heals mid-run is then in its
@@ -188,13 +188,7 @@ def attach_fault_tolerance(
             "DistributedConfig.ddp_options()"
         )
     timeout = datetime.timedelta(seconds=config.timeout_s)
-    store_addr, store_port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    if not store_addr or not store_port.isdigit():
-        raise RuntimeError(
-            "fault tolerance needs this group's store at MASTER_ADDR/MASTER_PORT (got "
-            f"{store_addr!r}/{store_port!r}); launch each replica group with torchrun or "
-            "init_distributed"
-        )
+    store_addr, store_port = group_store()  # checked before the build by check_lighthouse
     cross = ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
     manager = Manager(
         pg=cross,
@@ -210,9 +204,9 @@ def attach_fault_tolerance(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         store_addr=store_addr,
-        store_port=int(store_port),
+        store_port=store_port,
         lighthouse_addr=config.lighthouse,
-        replica_id=f"replica_{config.replica_id}",
+        replica_id=replica_name(config),
     )
     handle = FaultTolerance(config, manager, cross, model, device)
     set_replica_reduce(model, _LiveGroups(manager))  # global_count: the live groups' tokens
@@ -231,7 +225,7 @@ def attach_fault_tolerance(
         logging.INFO,
         "fault tolerance (%s): replica group %d of %d at lighthouse %s, %d rank(s) in this "
         "group, a step commits with >= %d live group(s)",
-        strategy_of(model).upper(),
+        strategy.upper(),
         config.replica_id,
         config.replica_groups,
         config.lighthouse,
