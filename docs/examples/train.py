@@ -251,8 +251,6 @@ def main() -> None:
         )
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
         ft = fault_tolerance_of(model) if args.fault_tolerance else None
-        # Under fault tolerance the manager's step is saved and restored with the checkpoints.
-        stateful = {"torchft": ft.manager} if ft is not None else None
         first = 0
         if args.resume:  # any strategy, any world size: DCP reshards
             first = load_checkpoint(args.resume, model, optimizer).step or 0
@@ -271,10 +269,16 @@ def main() -> None:
                 ),
                 requeue=args.requeue,
             )
-            first = manager.resume(model, optimizer, stateful=stateful)
+            if ft is None:
+                first = manager.resume(model, optimizer)
         # torchft's commit: zero_grad() joins the step's quorum (a group behind heals there),
         # step() runs only if every live group's step succeeded.
         stepper = ft.wrap_optimizer(optimizer) if ft is not None else optimizer
+        if ft is not None and manager is not None:
+            # Through the manager's commit, with its state: a checkpoint never holds a step
+            # that some group rolled back.
+            first = ft.resume(manager)
+            ft.save_on_commit(manager)
         step = first
         while step < args.steps:
             if ft is not None:
@@ -328,10 +332,9 @@ def main() -> None:
                 print(f"step {step}: loss {total:.6f}{clipped}{seen}")
             _test_kill(rank, step + 1, "step")
             time.sleep(float(os.environ.get("TRAIN_TEST_STEP_SLEEP", "0")))  # tests: a slow step
-            if manager is not None:
+            if manager is not None and ft is None:  # (under torchft: saved in the commit)
                 _test_kill(rank, step + 1, "save")
-                done = step + 1 if ft is None else ft.step  # steps completed so far
-                manager.maybe_save(done, model, optimizer, stateful=stateful)
+                manager.maybe_save(step + 1, model, optimizer)  # the steps completed so far
             step = step + 1 if ft is None else ft.step
         if manager is not None:
             manager.close()  # waits for a background save

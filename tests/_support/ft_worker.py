@@ -2,14 +2,17 @@
 
 ``python ft_worker.py LIGHTHOUSE REPLICA_ID GROUPS LOG FINISH CKPT [die]`` (one rank, DDP), or
 the same under torchrun with ``FT_STRATEGY=hsdp`` (HSDP inside the group). It builds a seeded
-Gated regressor with ``prepare_model`` (``fault_tolerance`` set) and trains with AdamW on the
-batch of (replica id, step, rank), its loss the mean over the samples that count in every live
-group (``global_count``, ``count_mean``). Each rank appends one JSON line per step to LOG
-(rank r > 0 to LOG.r): the step it ran, whether it committed, the live groups, a draw from
-the CPU stream after the quorum, the digest of its weights. Every SAVE_EVERY steps each group saves a checkpoint, with the manager's state,
-under CKPT/replica_<id> (resumed from there at the start); with ``die`` the group's last rank
+Gated regressor with ``prepare_model`` (``fault_tolerance`` set) and trains with AdamW on its
+samples of each step (``FaultTolerance.samples`` under one ``SampleOrder``), its loss the mean
+over the samples that count in every live group (``global_count``, ``count_mean``); the
+library records each committed step's samples in CKPT/../record (``record_samples``). Each
+rank appends one JSON line per step to LOG (rank r > 0 to LOG.r): the step it ran, whether it
+committed, the live groups, a draw from the CPU stream after the quorum, the digest of its
+weights. Every SAVE_EVERY steps each group saves a checkpoint, with the manager's state, under
+CKPT/replica_<id> (resumed from there at the start); with ``die`` the group's last rank
 SIGKILLs itself inside the group's second save. It stops at the step written in the file
-FINISH (when that file appears) and logs its final digest and whole weights.
+FINISH (when that file appears), compares the groups (``replica_drift``) and logs the report,
+its final digest and whole weights.
 """
 
 from __future__ import annotations
@@ -22,27 +25,31 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from sample_order import SampleOrder
 from toy_models import Regressor
 
-BATCH = 4
+BATCH = 4  # samples per rank and step
 WIDTH = 8
+NUM_SAMPLES = 96
 STEP_PAUSE_S = 0.15
 SAVE_EVERY = 3
 
 
-def batch(replica: int, step: int, rank: int = 0) -> tuple[torch.Tensor, ...]:
-    """The samples rank ``rank`` of replica group ``replica`` trains on at ``step`` (the
-    record's unit), and the mask of those that count: 1 to BATCH of them, a different number
-    per group, rank and step, so a mean of means is not the mean over the samples that count."""
-    generator = torch.Generator().manual_seed(1_000_003 * replica + 7_919 * rank + step)
-    x = torch.randn(BATCH, WIDTH, generator=generator)
-    mask = (torch.arange(BATCH) <= (replica + rank + step) % BATCH).float()
+def order(groups: int, ranks: int) -> SampleOrder:
+    """The run's order: a global batch of BATCH samples per rank of every group."""
+    return SampleOrder(NUM_SAMPLES, global_batch=BATCH * groups * ranks, seed=11)
+
+
+def data(samples: list[int]) -> tuple[torch.Tensor, ...]:
+    """The samples' inputs, targets, and the mask of those that count (3 in 4 samples, so a
+    shard's count varies and a mean of means is not the mean over the samples that count)."""
+    x = torch.randn(NUM_SAMPLES, WIDTH, generator=torch.Generator().manual_seed(123))[samples]
+    mask = torch.tensor([float(i % 4 != 0) for i in samples])
     return x, x.sum(dim=1, keepdim=True).sin(), mask
 
 
@@ -82,23 +89,21 @@ def digest(model: torch.nn.Module) -> str:
     return hasher.hexdigest()
 
 
-class _Manager:
-    """The manager's state as a ``stateful=`` object; with ``die``, SIGKILLs this process in
-    its second save (a group that dies while a checkpoint is being written, one complete
-    checkpoint before it)."""
+class _DieInSecondSave:
+    """A ``stateful=`` object that, with ``die``, SIGKILLs this process in its second save (a
+    group that dies while a checkpoint is being written, one complete checkpoint before it)."""
 
-    def __init__(self, manager: Any, die: bool) -> None:
-        self.manager, self.die, self.saves = manager, die, 0
+    def __init__(self, die: bool) -> None:
+        self.die, self.saves = die, 0
 
     def state_dict(self) -> dict[str, int]:
         self.saves += 1
         if self.die and self.saves == 2:
             os.kill(os.getpid(), signal.SIGKILL)
-        state: dict[str, int] = self.manager.state_dict()
-        return state
+        return {"saves": self.saves}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.manager.load_state_dict(state)
+        self.saves = 0
 
 
 def main() -> None:
@@ -118,6 +123,7 @@ def main() -> None:
         count_mean,
         global_count,
         prepare_model,
+        replica_drift,
         unwrap_model,
     )
     from distributed_strategy.fault_tolerance import fault_tolerance_of
@@ -142,13 +148,14 @@ def main() -> None:
         seed=0,
     )
     ft = fault_tolerance_of(model)
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    # Each group checkpoints into its own directory, with the manager's state; the dying rank
-    # dies inside its group's second save.
+    ft.record_samples(order(int(groups), world), Path(ckpt_root).parent / "record")
+    optimizer = ft.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    # Each group checkpoints into its own directory, through the manager's commit and with its
+    # state; the dying rank dies inside its group's second save.
     checkpoints = CheckpointManager(Path(ckpt_root) / f"replica_{replica_id}", every=SAVE_EVERY)
-    stateful = {"torchft": _Manager(ft.manager, die and rank == world - 1)}
-    resumed = checkpoints.resume(model, inner, stateful=stateful)
-    optimizer = ft.wrap_optimizer(inner)
+    stateful = {"fault": _DieInSecondSave(die and rank == world - 1)}
+    resumed = ft.resume(checkpoints, stateful=stateful)
+    ft.save_on_commit(checkpoints, stateful=stateful)
     finish_at: int | None = None
     with open(log if rank == 0 else f"{log}.{rank}", "a", encoding="utf-8") as out:
 
@@ -166,9 +173,11 @@ def main() -> None:
             probe = torch.rand(1).item()  # the CPU stream, healed with the state
             if finish_at is None and Path(finish).is_file():
                 finish_at = int(Path(finish).read_text())
-            if finish_at is not None and step >= finish_at:
+            if finish_at is not None and step >= finish_at:  # every group, in one quorum
+                report = replica_drift(model)
+                record(drift=str(report), drifted=report.drifted, groups=report.groups)
                 break
-            x, y, mask = batch(replica_id, step, rank)
+            x, y, mask = data(ft.samples(order(int(groups), world)))
             count = global_count(mask, model=model)  # the live groups' samples only
             summed = loss_sum(model, x, y, mask, uses_aux(strategy, replica_id, step))
             count_mean(summed, count, model=model).backward()
@@ -180,7 +189,6 @@ def main() -> None:
                 probe=probe,
                 digest=digest(model),
             )
-            checkpoints.maybe_save(ft.step, model, inner, stateful=stateful)
             time.sleep(STEP_PAUSE_S)
         state = unwrap_model(model).state_dict()
         weights = {  # the whole tensors (a collective under HSDP)

@@ -145,6 +145,56 @@ def _drift_checks(rank: int) -> dict[str, Any]:
         )
     )
     out["drift_fsdp"] = (replica_drift(sharded).compared, str(replica_drift(sharded)))
+    out.update(_group_drift_checks(rank))
+    return out
+
+
+class _EachRankAGroup:
+    """dist-core's ReplicaReduce with each rank its own replica group (id 10 + rank): the
+    sum is a real all-reduce over the default group, as torchft's is over its groups."""
+
+    def __init__(self, rank: int, *, fail: bool = False) -> None:
+        self.rank, self.fail = rank, fail
+
+    def sum_(self, tensor: torch.Tensor) -> None:
+        local = tensor.clone()
+        dist.all_reduce(tensor)
+        if self.fail and self.rank == 1:  # a reduce that failed here: the group's own values
+            tensor.copy_(local)
+
+    def live(self) -> int:
+        return dist.get_world_size()
+
+    def position(self) -> int:
+        return self.rank
+
+    def replica_id(self) -> int:
+        return 10 + self.rank
+
+
+def _group_drift_checks(rank: int) -> dict[str, Any]:
+    """replica_drift across replica groups (each rank a group of its own, a plain model)."""
+    from dist_core import set_replica_reduce
+    from replica_init import replica_drift
+
+    out: dict[str, Any] = {}
+    model = build_replicated_model(
+        ToyNet, PARAMS, device=rank_device(), default_dtype=torch.float32, seed=3
+    )
+    set_replica_reduce(model, _EachRankAGroup(rank))
+    clean = replica_drift(model)
+    out["groups_clean"] = (clean.drifted, clean.groups, clean.groups_drifted, str(clean))
+    if rank == 1:
+        with torch.no_grad():
+            model.blocks[0].mlp[0].bias[1] += 1e-6
+    nudged = replica_drift(model)
+    out["groups_nudged"] = (nudged.drifted, nudged.tensor, nudged.groups_drifted, str(nudged))
+    set_replica_reduce(model, _EachRankAGroup(rank, fail=True))
+    try:
+        replica_drift(model)
+        out["groups_failed"] = None
+    except RuntimeError as error:
+        out["groups_failed"] = str(error)
     return out
 
 

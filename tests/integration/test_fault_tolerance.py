@@ -30,6 +30,7 @@ import torch
 
 SUPPORT = Path(__file__).parents[1] / "_support"
 SAVE_EVERY = 3  # ft_worker's
+BATCH_PER_GROUP = 4  # ft_worker's BATCH: samples per rank and step
 WORKER = SUPPORT / "ft_worker.py"
 # float32 replay of ~20 AdamW steps: the groups sum 3 gradients over gloo and divide, the
 # reference takes one mean over the 12 samples; measured differences are ~1e-7.
@@ -181,10 +182,10 @@ def test_a_killed_group_stops_nobody_heals_and_matches(
         ends = {_lines(tmp_path / f"{name}.log{suffix}")[-1]["final"] for name in finals}
         assert len(ends) == 1, (rank, ends)
     assert len({f["step"] for f in finals.values()}) == 1
-    # The killed group died in its second save, of step died_in (after training the step
-    # before); the restarted one resumed from its last complete checkpoint, then healed to the
-    # others' step.
-    died_in = max(s["step"] for s in _steps(tmp_path / "gx.log")) + 1
+    # The killed group died in its second save, of step died_in: the save runs in the commit
+    # of the step before (after the last step it logged); the restarted one resumed from its
+    # last complete checkpoint, then healed to the others' step.
+    died_in = max(s["step"] for s in _steps(tmp_path / "gx.log")) + 2
     assert died_in % SAVE_EVERY == 0
     assert _lines(tmp_path / "gy.log")[0]["resumed"] == died_in - SAVE_EVERY
     healed_first = _steps(tmp_path / "gy.log")[0]["step"]
@@ -201,38 +202,71 @@ def test_a_killed_group_stops_nobody_heals_and_matches(
                     draws.setdefault(s["step"], set()).add(s["probe"])
         assert all(len(values) == 1 for values in draws.values()), (rank, draws)
 
-    # The record: which groups trained each committed step (every group logs its own).
-    trained: dict[int, set[int]] = {}
+    # Healed and proven: at the end every group compared itself with the others
+    # (replica_drift across the groups) and found nothing, on every rank.
+    for name in finals:
+        for rank in range(ranks):
+            suffix = f".{rank}" if rank else ""
+            report = _lines(tmp_path / f"{name}.log{suffix}")[-2]
+            assert report["drifted"] is False and sorted(report["groups"]) == list(range(groups)), (
+                report
+            )
+
+    # The record (sample-order's log, written by the library at each commit) names what
+    # each committed step trained and lost; the workers' own logs say which groups
+    # committed which step, and the two agree.
+    from sample_order import read_sample_log
+
+    sys.path.insert(0, str(SUPPORT))
+    try:
+        from ft_worker import order
+    finally:
+        sys.path.remove(str(SUPPORT))
+    the_order = order(groups, ranks)
+    history = read_sample_log(tmp_path / "record", the_order)
+    committed: dict[int, set[int]] = {}
     for name in names:
         for s in _steps(tmp_path / f"{name}.log"):
             if s["committed"]:
-                trained.setdefault(s["step"], set()).add(s["replica"])
-    for s in _steps(tmp_path / "g0.log"):
-        if s["committed"]:
-            assert len(trained[s["step"]]) == s["participants"], s  # the record is complete
-    # The dead group's samples lost while it was down: every step the others committed
-    # without it.
-    lost = sorted(step for step, in_ in trained.items() if last not in in_ and step >= died_in)
-    assert lost[: healed_first - died_in] == list(range(died_in, healed_first))
+                committed.setdefault(s["step"], set()).add(s["replica"])
+    assert f"replica_{last}" in history.trained[died_in - 1]  # committed, then died saving
+    committed.setdefault(died_in - 1, set()).add(last)  # (its worker never logged that step)
+    assert sorted(history.trained) == sorted(committed)
+    for step, in_ in committed.items():
+        assert {int(w.split("_")[1]) for w in history.trained[step]} == in_, step
+        shares = [the_order.shard(step, rank=g, world_size=groups) for g in range(groups)]
+        assert history.lost[step] == sorted(i for g in set(range(groups)) - in_ for i in shares[g])
+    # The dead group's samples were lost at every step the others committed while it was
+    # down: from the step it died in to the step before its first healed one.
+    lost_steps = sorted(step for step, lost in history.lost.items() if lost)
+    # (a group slow to start may miss the first quorums too: those steps are lost as well)
+    assert [s for s in lost_steps if s >= died_in][: healed_first - died_in] == list(
+        range(died_in, healed_first)
+    )
+    absent = sum(groups - len(in_) for in_ in committed.values())
+    assert history.lost_count == absent * BATCH_PER_GROUP * ranks > 0
 
-    # One process over the committed samples (every rank's of every group) reaches the same
-    # weights.
-    reference = _replay(trained, strategy, ranks)
+    # One process trained on the record's samples (each writer's with its group's choices)
+    # reaches the same weights.
+    reference = _replay(history.trained, strategy)
     worst = max(
         (torch.tensor(value) - reference[key]).abs().max().item()
         for key, value in finals["g0"]["weights"].items()
     )
     assert worst <= REFERENCE_BOUND, worst
-    _check_the_checkpoint_left(checkpoints / f"replica_{last}", died_in, trained, strategy, ranks)
+    _check_the_checkpoint_left(
+        checkpoints / f"replica_{last}", died_in, history.trained, strategy, ranks
+    )
     heal_s = _steps(tmp_path / "gy.log")[0]["t"] - restarted_at
     sys.stdout.write(
         f"fault tolerance, {strategy} {groups}x{ranks}: restart to first committed step "
-        f"{heal_s:.1f} s, {len(lost)} steps lost, weights within {worst:.2e} of the replay\n"
+        f"{heal_s:.1f} s, {len(lost_steps)} steps ({history.lost_count} samples) lost, "
+        f"weights within {worst:.2e} of the replay\n"
     )
 
 
 def _check_the_checkpoint_left(
-    root: Path, died_in: int, trained: dict[int, set[int]], strategy: str, ranks: int
+    root: Path, died_in: int, trained: dict[int, dict[str, list[int]]], strategy: str, ranks: int
 ) -> None:
     """The dead group's checkpoints: the one being written when it died never appeared (the
     restarted group resumed from the one before and saved only past the others' step); that
@@ -246,8 +280,8 @@ def _check_the_checkpoint_left(
     info = load_checkpoint(latest, model, optimizer)  # the manager's state left out
     assert info.world_size == ranks  # saved by the group's ranks, loaded by one process
     assert info.step == died_in - SAVE_EVERY
-    before = {step: groups_ for step, groups_ in trained.items() if step < died_in - SAVE_EVERY}
-    reference = _replay(before, strategy, ranks)
+    before = {step: shares for step, shares in trained.items() if step < died_in - SAVE_EVERY}
+    reference = _replay(before, strategy)
     worst = max((model.state_dict()[k] - v).abs().max().item() for k, v in reference.items())
     assert worst <= REFERENCE_BOUND, worst
 
@@ -266,19 +300,18 @@ def _plain_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _replay(trained: dict[int, set[int]], strategy: str, ranks: int) -> dict[str, torch.Tensor]:
-    """The committed steps in one process: each step's batches of the groups that trained it."""
+def _replay(trained: dict[int, dict[str, list[int]]], strategy: str) -> dict[str, torch.Tensor]:
+    """The recorded steps in one process: each step's samples, writer by writer."""
     sys.path.insert(0, str(SUPPORT))
     try:
-        from ft_worker import batch, loss_sum, uses_aux
+        from ft_worker import data, loss_sum, uses_aux
     finally:
         sys.path.remove(str(SUPPORT))
     model, optimizer = _plain_model()
     for step in sorted(trained):
         parts = [
-            (batch(replica, step, rank), uses_aux(strategy, replica, step))
-            for replica in sorted(trained[step])
-            for rank in range(ranks)
+            (data(samples), uses_aux(strategy, int(writer.split("_")[1]), step))
+            for writer, samples in sorted(trained[step].items())
         ]
         total = sum(loss_sum(model, *part, aux) for part, aux in parts)
         count = sum(float(part[2].sum()) for part, _ in parts)
@@ -416,6 +449,10 @@ def test_the_example_trainer_runs_as_replica_groups(tmp_path: Path) -> None:
                             *group,
                             "--replica-groups",
                             "2",
+                            "--ckpt-dir",
+                            str(tmp_path / f"ckpt{replica}"),
+                            "--ckpt-every",
+                            "2",
                         ],
                         stdout=sink,
                         stderr=subprocess.STDOUT,
@@ -431,3 +468,32 @@ def test_the_example_trainer_runs_as_replica_groups(tmp_path: Path) -> None:
                     process.wait()
     prints = [re.findall(r"ddp: final (?:fingerprint|weight sum) \S+", _text(o)) for o in outs]
     assert len(prints[0]) == 2 and prints[0] == prints[1], prints
+    # Each group checkpointed through the commit, with the manager's state beside its own.
+    for replica in range(2):
+        saved = sorted(p.name for p in (tmp_path / f"ckpt{replica}").iterdir())
+        assert saved == ["step-2", "step-4"], saved
+        manifest = json.loads(
+            (tmp_path / f"ckpt{replica}" / "step-4" / "checkpoint.json").read_text()
+        )
+        assert manifest["stateful"] == ["torchft"], manifest["stateful"]
+
+
+def test_checkpointing_under_it_refuses_bad_input_before_anything_changes(tmp_path: Path) -> None:
+    """save_on_commit / resume need the wrapped optimizer (its state is saved) and keep the
+    name "torchft" for the manager's state: refused, naming the fix, with nothing saved."""
+    from distributed_strategy import CheckpointManager
+    from distributed_strategy.fault_tolerance import FaultTolerance
+    from strategy_config import FaultToleranceConfig
+    from toy_models import Regressor
+
+    config = FaultToleranceConfig.from_mapping(_config("localhost:1")["fault_tolerance"])
+    handle = FaultTolerance(config, None, None, Regressor(), torch.device("cpu"))  # no engine
+    checkpoints = CheckpointManager(tmp_path / "ckpt", every=1)
+    with pytest.raises(RuntimeError, match=r"call wrap_optimizer\(optimizer\) first"):
+        handle.save_on_commit(checkpoints)
+    with pytest.raises(RuntimeError, match=r"call wrap_optimizer\(optimizer\) first"):
+        handle.resume(checkpoints)
+    handle._optimizer = torch.optim.SGD(Regressor().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"stateful=\{'torchft': ...\} names the manager's own"):
+        handle.save_on_commit(checkpoints, stateful={"torchft": object()})
+    assert handle._saving is None and not (tmp_path / "ckpt").exists()

@@ -136,6 +136,22 @@ def test_replica_drift_names_a_nudged_parameter_and_its_rank(ranks: list[dict[st
     assert ranks[0]["drift_norms"] == ranks[1]["drift_norms"]
 
 
+def test_replica_drift_compares_replica_groups(ranks: list[dict[str, Any]]) -> None:
+    """Under fault tolerance each replica group is its own process group: replica_drift
+    compares the groups through their reduction (here each rank a group, a real all-reduce).
+    Equal groups: none. One bias element nudged by 1e-6 in group 11: named, with the group,
+    on every group. A reduction that failed in one group is refused, not reported as drift."""
+    for rank in ranks:
+        drifted, groups, differing, line = rank["groups_clean"]
+        assert (drifted, groups, differing) == (False, [10, 11], [])
+        assert line.startswith("replica drift: none (") and "replica groups [10, 11]" in line
+        drifted, tensor, differing, line = rank["groups_nudged"]
+        assert (drifted, tensor, differing) == (True, "param:blocks.0.mlp.0.bias", [11])
+        assert "param:blocks.0.mlp.0.bias differs in replica groups [11] from group 10" in line
+    for rank in ranks:  # the group's ranks agree before raising: none is left waiting
+        assert "the replica groups changed while they were compared" in rank["groups_failed"]
+
+
 def test_replica_drift_compares_hsdp_shards_across_the_replicas() -> None:
     """HSDP 2 x 2: rank r's shard is compared with the other replica's copy of it (ranks
     {0, 2} and {1, 3}); a shard nudged on rank 3 is found by its replica group only."""

@@ -3,7 +3,8 @@
 Under torchft each replica group is its own job with its own process group, and the groups
 meet through torchft's ``Manager``. A model wrapped that way carries a :class:`ReplicaReduce`:
 whatever sums over the model's data-parallel ranks (``global_count``, ``data_parallel_size``)
-sums over the live groups after its own process group.
+sums over the live groups after its own process group, and ``replica_drift`` compares the
+groups as well as the ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ class ReplicaReduce(Protocol):
 
     def live(self) -> int:
         """The replica groups in this step."""
+
+    def position(self) -> int:
+        """This group's place among this step's live groups, ``0 .. live() - 1``."""
+
+    def replica_id(self) -> int:
+        """This group's id (the same on every rank of the group)."""
 
 
 _ACROSS: weakref.WeakKeyDictionary[nn.Module, ReplicaReduce] = weakref.WeakKeyDictionary()

@@ -14,11 +14,11 @@ from torch import nn
 
 from ddp_wrap import wrap_module_ddp
 from dist_core import DeviceLike, log_rank0, require_process_group, resolve_device
+from distributed_strategy._ft_wiring import attach_fault_tolerance
 from distributed_strategy._lighthouse import check_lighthouse
 from distributed_strategy._pretrained import build_pretrained
 from distributed_strategy._stages import Stages
 from distributed_strategy._trainable import TrainablePolicy, apply_trainable
-from distributed_strategy.fault_tolerance import attach_fault_tolerance
 from distributed_strategy.recipe import apply_block_recipe, recipe_blocks
 from fsdp_wrap import ShardPolicy, hsdp_mesh, wrap_module_fsdp
 from replica_init import (

@@ -9,27 +9,28 @@ was in flight, the others commit theirs, and a group that comes back heals from 
 (weights, optimizer state and RNG streams, through torchft's transport) before its first
 step.
 
-A trainer's loop changes in one line: ``optimizer = fault_tolerance_of(model).wrap_optimizer(
-optimizer)``; ``zero_grad()`` then joins the step's quorum and ``step()`` commits it.
+A trainer takes :class:`FaultTolerance` from :func:`fault_tolerance_of`: ``wrap_optimizer``
+(``zero_grad()`` joins the step's quorum, ``step()`` commits it), ``samples`` (this rank's
+share of the committed step), and what follows each commit: ``record_samples`` (which samples
+each step trained, sample-order's log) and ``save_on_commit`` / ``resume`` (checkpoints with
+the manager's state). The engine's wiring (hooks, the Manager) is in ``_ft_wiring``.
 """
 
 from __future__ import annotations
 
-import datetime
-import logging
+import os
 import weakref
-from collections.abc import Callable
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 
+from checkpoint_io import CheckpointManager
 from ddp_wrap import unwrap_ddp_module
-from dist_core import fsdp_modules, log_rank0, set_replica_reduce, strategy_of
-from distributed_strategy._lighthouse import group_store, replica_name
 from rng_fork import RngState, capture_rng_state, restore_rng_state
+from sample_order import SampleLog, SampleOrder
 from strategy_config import FaultToleranceConfig
 
 if TYPE_CHECKING:
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FaultTolerance", "fault_tolerance_of"]
 
-logger = logging.getLogger(__name__)
+
+_MANAGER_KEY = "torchft"  # the manager's state in a checkpoint's stateful objects
 
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, FaultTolerance] = weakref.WeakKeyDictionary()
 
@@ -62,9 +64,12 @@ class FaultTolerance:
         self.manager = manager
         self._cross = cross
         self._device = device
+        self._model = model
         self._module = unwrap_ddp_module(model)
+        self._saving: tuple[CheckpointManager, dict[str, Any]] | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._reduced: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._record: tuple[SampleOrder, SampleLog | None] | None = None
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer under the manager's commit, its state healed with the model's.
@@ -91,8 +96,103 @@ class FaultTolerance:
             )
         self._optimizer = optimizer
         self.manager.register_state_dict_fn("model_optimizer", self._load, self._state)
-        managed: torch.optim.Optimizer = ManagedOptimizer(self.manager, optimizer)
+        handle = self
+
+        class _Committing(ManagedOptimizer):  # type: ignore[misc]  # torchft is untyped here
+            def step(self, closure: object = None) -> None:
+                if closure is not None:
+                    raise ValueError("an optimizer closure is not supported under torchft")
+                step = handle.step
+                if self.manager.should_commit():  # every live group's step succeeded
+                    self.optim.step()
+                    handle._committed(step)
+
+        managed: torch.optim.Optimizer = _Committing(self.manager, optimizer)
         return managed
+
+    def samples(self, order: SampleOrder, step: int | None = None) -> list[int]:
+        """This rank's samples of ``step`` (default: the step being trained) under ``order``.
+
+        The replica groups split each global batch by ``replica_id`` (all
+        ``replica_groups`` of them, live or not: a group that is down leaves its share
+        untrained, never moved to another), and a group's ranks split its share. The data
+        position is the step, so a group that heals, or a run that resumes, reads on in the
+        same order.
+
+        Raises:
+            ValueError: As :meth:`SampleOrder.shard`, e.g. a global batch that
+                ``replica_groups`` times the group's ranks does not divide.
+        """
+        ranks = dist.get_world_size()
+        return order.shard(
+            self.step if step is None else step,
+            rank=self.config.replica_id * ranks + dist.get_rank(),
+            world_size=self.config.replica_groups * ranks,
+        )
+
+    def record_samples(self, order: SampleOrder, folder: str | os.PathLike[str]) -> None:
+        """From now on, record each committed step's samples in ``folder`` (sample-order's log).
+
+        The group's rank 0 appends the group's share (what :meth:`samples` gives its ranks)
+        to ``FOLDER/replica_<id>.jsonl`` once the step commits; ``read_sample_log(folder,
+        order)`` then names, step by step, what was trained and what was lost.
+
+        Raises:
+            ValueError: If ``order``'s global batch cannot be split over the groups' ranks.
+        """
+        self.samples(order, 0)  # the split checked now, not at the first commit
+        writer = f"replica_{self.config.replica_id}"
+        self._record = (order, SampleLog(folder, writer=writer) if dist.get_rank() == 0 else None)
+
+    def save_on_commit(
+        self, checkpoints: CheckpointManager, *, stateful: Mapping[str, Any] | None = None
+    ) -> None:
+        """Checkpoint through the manager's commit: after each committed step, ``maybe_save``.
+
+        A checkpoint is written only once every live group committed its step (never a step
+        some group rolled back), numbered by the steps committed, with the manager's own state
+        (as torchft requires) beside the model, the optimizer and ``stateful``. Each group
+        writes its own ``checkpoints.root``; a checkpoint loads without torchft too.
+
+        Raises:
+            RuntimeError: Before :meth:`wrap_optimizer`.
+            ValueError: If ``stateful`` uses the name ``"torchft"``.
+        """
+        self._saving = (checkpoints, self._with_manager(stateful))
+
+    def resume(
+        self, checkpoints: CheckpointManager, *, stateful: Mapping[str, Any] | None = None
+    ) -> int:
+        """``checkpoints.resume`` with the manager's state: the step this group resumes from.
+
+        A group that restarts resumes its last complete checkpoint, then heals from a live
+        peer at its first quorum if the others are ahead.
+
+        Raises:
+            RuntimeError: Before :meth:`wrap_optimizer`.
+            ValueError: If ``stateful`` uses the name ``"torchft"``.
+        """
+        with_manager = self._with_manager(stateful)
+        return checkpoints.resume(self._model, self._optimizer, stateful=with_manager)
+
+    def _with_manager(self, stateful: Mapping[str, Any] | None) -> dict[str, Any]:
+        if self._optimizer is None:
+            raise RuntimeError("call wrap_optimizer(optimizer) first: its state is checkpointed")
+        if stateful is not None and _MANAGER_KEY in stateful:
+            raise ValueError(
+                f"stateful={{{_MANAGER_KEY!r}: ...}} names the manager's own state; rename it"
+            )
+        return {**(stateful or {}), _MANAGER_KEY: self.manager}
+
+    def _committed(self, step: int) -> None:
+        """After ``step`` committed: its samples into the record, then the checkpoint."""
+        order, log = self._record or (None, None)
+        if order is not None and log is not None:  # the group's rank 0
+            groups = self.config.replica_groups
+            log.write(step, order.shard(step, rank=self.config.replica_id, world_size=groups))
+        if self._saving is not None:
+            checkpoints, stateful = self._saving
+            checkpoints.maybe_save(step + 1, self._model, self._optimizer, stateful=stateful)
 
     def _state(self) -> dict[str, Any]:
         assert self._optimizer is not None
@@ -157,126 +257,3 @@ def fault_tolerance_of(model: nn.Module) -> FaultTolerance:
             "training.distributed.fault_tolerance and build it with prepare_model"
         )
     return found
-
-
-def attach_fault_tolerance(
-    model: nn.Module, config: FaultToleranceConfig, device: torch.device
-) -> FaultTolerance:
-    """Start this group's ``Manager`` and average the gradients across the live groups.
-
-    DDP: a comm hook on each bucket. FSDP2 (HSDP inside the group, or FSDP over it): an
-    all-reduce hook on each FSDP module, after the group's own reduction.
-
-    The group's store is its default process group's (:func:`group_store`); the cross-group
-    process group is gloo on the CPU and NCCL on CUDA.
-    """
-    from torchft import Manager
-    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
-
-    strategy = strategy_of(model)
-    ddp = strategy == "ddp"
-    # NOTE: the groups reduce DDP's buckets element by element, so every group must hold the
-    # same layout. DDP rebuilds its buckets after its first backward unless it looks for
-    # unused parameters without a static graph; a group that heals mid-run is then in its
-    # first step while its peers are past theirs. strategy-config's ddp_options set it.
-    if ddp and (
-        not getattr(model, "find_unused_parameters", False) or getattr(model, "static_graph", True)
-    ):
-        raise RuntimeError(
-            "fault tolerance needs DDP built with find_unused_parameters=True and "
-            "static_graph=False (a fixed bucket layout in every replica group); wrap it with "
-            "DistributedConfig.ddp_options()"
-        )
-    timeout = datetime.timedelta(seconds=config.timeout_s)
-    store_addr, store_port = group_store()  # checked before the build by check_lighthouse
-    cross = ProcessGroupNCCL(timeout) if device.type == "cuda" else ProcessGroupGloo(timeout)
-    manager = Manager(
-        pg=cross,
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=config.min_replica_size,
-        # NOTE: the quorum (and a heal) completes in zero_grad, before the forward: a healed
-        # group then trains in the same step, and no state dict is read mid-forward.
-        use_async_quorum=False,
-        timeout=timeout,
-        quorum_timeout=datetime.timedelta(seconds=config.quorum_timeout_s),
-        connect_timeout=datetime.timedelta(seconds=config.connect_timeout_s),
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        store_addr=store_addr,
-        store_port=store_port,
-        lighthouse_addr=config.lighthouse,
-        replica_id=replica_name(config),
-    )
-    handle = FaultTolerance(config, manager, cross, model, device)
-    set_replica_reduce(model, _LiveGroups(manager))  # global_count: the live groups' tokens
-    if ddp:
-        model.register_comm_hook(handle, _managed_hook(dist.get_world_size()))  # type: ignore[operator]
-    else:
-        # NOTE: FSDP2 hands the hook each unit's reduced shard (after HSDP's in-group
-        # all-reduce); rank r of every group holds shard r of the same units, so the groups
-        # reduce the same layout. A unit reduces only the parameters that have a gradient:
-        # every group must give a unit's parameters gradients alike.
-        for unit in fsdp_modules(model):
-            unit.set_all_reduce_hook(handle._reduce_shard)
-    _ATTACHED[model] = handle
-    log_rank0(
-        logger,
-        logging.INFO,
-        "fault tolerance (%s): replica group %d of %d at lighthouse %s, %d rank(s) in this "
-        "group, a step commits with >= %d live group(s)",
-        strategy.upper(),
-        config.replica_id,
-        config.replica_groups,
-        config.lighthouse,
-        dist.get_world_size(),
-        config.min_replica_size,
-    )
-    return handle
-
-
-class _LiveGroups:
-    """dist-core's ``ReplicaReduce`` over the groups in torchft's quorum this step."""
-
-    def __init__(self, manager: Manager) -> None:
-        self._manager = manager
-
-    def sum_(self, tensor: torch.Tensor) -> None:
-        local = tensor.clone()
-        self._manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait()
-        # NOTE: a failed reduce leaves the tensor undefined and the step uncommitted: the
-        # group's own sum is kept, so a count stays a count for the step that is discarded.
-        if self._manager.errored() is not None:
-            tensor.copy_(local)
-
-    def live(self) -> int:
-        return int(self._manager.num_participants())
-
-
-def _managed_hook(
-    group_size: int,
-) -> Callable[[FaultTolerance, Any], torch.futures.Future[torch.Tensor]]:
-    """DDP's comm hook: the group's mean, then the mean over the live groups."""
-
-    def hook(handle: FaultTolerance, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        # At the backward's end (after DDP's own callback): the first run fills, the rest find
-        # the list empty.
-        Variable._execution_engine.queue_callback(handle._fill_unused)
-        handle._reduced.extend(zip(bucket.parameters(), bucket.gradients(), strict=True))
-        buffer = bucket.buffer()
-        if group_size > 1:
-            dist.all_reduce(buffer)
-            buffer.div_(group_size)
-        # NOTE: waited here, never chained: a peer that dies mid-reduce makes torchft's work
-        # fail, which it records (the step then does not commit) instead of raising into
-        # backward; the bucket's future is always completed.
-        handle.manager.allreduce(buffer).wait()
-        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        done.set_result(buffer)
-        return done
-
-    # DDP checks the hook's annotations as objects; this module's are strings (PEP 563).
-    hook.__annotations__.update(
-        {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}  # type: ignore[attr-defined]
-    )
-    return hook

@@ -14,10 +14,12 @@ from dist_core import (
     fsdp_mesh,
     is_distributed,
     local_tensor,
+    replica_reduce,
     strategy_of,
     unwrap_compiled,
     unwrap_model,
 )
+from replica_init._across import compare_groups
 from replica_init._fingerprint import combine, digest_entry, named_state_tensors
 
 
@@ -36,6 +38,9 @@ class DriftReport:
         grad_norms: Each rank's norm of its local gradients as they stand (by position in
             ``group_ranks``; ``None`` where a rank holds none): right after a backward run
             under ``no_sync(model)`` they are the gradients before the reduction.
+        groups: Under fault tolerance, the replica ids of the live replica groups compared
+            (rank r of each with rank r of the others); ``[]`` otherwise.
+        groups_drifted: The replica ids whose copy differs from the first group's.
     """
 
     compared: int
@@ -45,13 +50,21 @@ class DriftReport:
     ranks: list[int] = dataclasses.field(default_factory=list)
     max_abs_diff: float | None = None
     grad_norms: list[float | None] = dataclasses.field(default_factory=list)
+    groups: list[int] = dataclasses.field(default_factory=list)
+    groups_drifted: list[int] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
+        where = f"ranks {self.group_ranks}"
+        if self.groups:
+            where += f" of replica groups {self.groups}"
         if not self.compared:
             return "replica drift: nothing replicated to compare"
         if not self.drifted:
+            return f"replica drift: none ({self.compared} tensors agree on {where})"
+        if self.groups_drifted:
             return (
-                f"replica drift: none ({self.compared} tensors agree on ranks {self.group_ranks})"
+                f"replica drift: {self.tensor} differs in replica groups {self.groups_drifted} "
+                f"from group {self.groups[0]} ({where})"
             )
         return (
             f"replica drift: {self.tensor} differs on ranks {self.ranks} from rank "
@@ -62,6 +75,11 @@ class DriftReport:
 
 def replica_drift(model: nn.Module) -> DriftReport:
     """Compare every rank's copy of the replicated state by digest; name the first difference.
+
+    Under fault tolerance (a model whose sums span replica groups, dist-core's
+    ``replica_reduce``) the live groups are compared too: rank r of every group holds the
+    same tensors, and the report names the groups that differ. Call it at the same step on
+    every rank of every live group, after the step's quorum (e.g. after ``zero_grad``).
 
     Replicated: a DDP model's parameters and buffers (every rank of its group); an HSDP
     model's local shards across the replicate dimension (each shard group's ranks hold
@@ -83,6 +101,24 @@ def replica_drift(model: nn.Module) -> DriftReport:
     Returns:
         The report; ``str(report)`` is one line for a log.
     """
+    report = _within_group(model)
+    across = replica_reduce(model)
+    if across is None:
+        return report
+    local = [(n, local_tensor(t)) for n, t in named_state_tensors(unwrap_model(model))]
+    found = compare_groups(across, [digest_entry(name, tensor) for name, tensor in local])
+    return dataclasses.replace(
+        report,
+        compared=max(report.compared, len(local)),
+        drifted=report.drifted or bool(found.differing),
+        tensor=report.tensor or (None if found.tensor is None else local[found.tensor][0]),
+        groups=found.groups,
+        groups_drifted=found.differing,
+    )
+
+
+def _within_group(model: nn.Module) -> DriftReport:
+    """The comparison over the model's own process group (its replicas, if any)."""
     group, tensors = _replicated(model)
     norm = _grad_norm(model)
     if group is None or not is_distributed():
