@@ -2,8 +2,8 @@
 
 ``python ft_worker.py LIGHTHOUSE REPLICA_ID GROUPS LOG FINISH CKPT [die]`` (one rank, DDP), or
 the same under torchrun with ``FT_STRATEGY=hsdp`` (HSDP inside the group). It builds a seeded
-Gated regressor with ``prepare_model`` (``fault_tolerance`` set) and trains with AdamW on its
-samples of each step (``FaultTolerance.samples`` under one ``SampleOrder``), its loss the mean
+Gated regressor with ``prepare_model`` (``fault_tolerance`` set) and trains with AdamW (two
+micro-batches, the first under ``no_sync``, then ``clip_grad_norm``) on its samples of each step (``FaultTolerance.samples`` under one ``SampleOrder``), its loss the mean
 over the samples that count in every live group (``global_count``, ``count_mean``); the
 library records each committed step's samples in CKPT/../record (``record_samples``). Each
 rank appends one JSON line per step to LOG (rank r > 0 to LOG.r): the step it ran, whether it
@@ -36,6 +36,7 @@ from toy_models import Regressor
 BATCH = 4  # samples per rank and step
 WIDTH = 8
 NUM_SAMPLES = 96
+MAX_NORM = 2.0  # clips about half the steps
 STEP_PAUSE_S = 0.15
 SAVE_EVERY = 3
 
@@ -120,8 +121,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     from distributed_strategy import (
         CheckpointManager,
+        clip_grad_norm,
         count_mean,
         global_count,
+        no_sync,
         prepare_model,
         replica_drift,
         unwrap_model,
@@ -179,14 +182,20 @@ def main() -> None:
                 break
             x, y, mask = data(ft.samples(order(int(groups), world)))
             count = global_count(mask, model=model)  # the live groups' samples only
-            summed = loss_sum(model, x, y, mask, uses_aux(strategy, replica_id, step))
-            count_mean(summed, count, model=model).backward()
+            aux = uses_aux(strategy, replica_id, step)
+            # Two micro-batches, the first without the reduction; then the clip.
+            with no_sync(model):
+                summed = loss_sum(model, x[:2], y[:2], mask[:2], aux)
+                count_mean(summed, count, model=model).backward()
+            count_mean(loss_sum(model, x[2:], y[2:], mask[2:], aux), count, model=model).backward()
+            norm = float(clip_grad_norm(model, MAX_NORM))  # the same on every live rank
             optimizer.step()
             record(
                 step=step,
                 committed=ft.step == step + 1,
                 participants=ft.manager.num_participants(),
                 probe=probe,
+                norm=norm,
                 digest=digest(model),
             )
             time.sleep(STEP_PAUSE_S)

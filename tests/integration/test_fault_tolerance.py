@@ -28,9 +28,9 @@ from typing import Any
 import pytest
 import torch
 
+from ft_worker import BATCH, MAX_NORM, SAVE_EVERY
+
 SUPPORT = Path(__file__).parents[1] / "_support"
-SAVE_EVERY = 3  # ft_worker's
-BATCH_PER_GROUP = 4  # ft_worker's BATCH: samples per rank and step
 WORKER = SUPPORT / "ft_worker.py"
 # float32 replay of ~20 AdamW steps: the groups sum 3 gradients over gloo and divide, the
 # reference takes one mean over the 12 samples; measured differences are ~1e-7.
@@ -196,11 +196,17 @@ def test_a_killed_group_stops_nobody_heals_and_matches(
     for rank in range(ranks):
         suffix = f".{rank}" if rank else ""
         draws: dict[int, set[float]] = {}
+        norms: dict[int, set[float]] = {}
         for name in names:
             for s in _steps(tmp_path / f"{name}.log{suffix}"):
                 if s["committed"]:
                     draws.setdefault(s["step"], set()).add(s["probe"])
+                    norms.setdefault(s["step"], set()).add(s["norm"])
         assert all(len(values) == 1 for values in draws.values()), (rank, draws)
+        # clip_grad_norm: one norm per step on every live rank of every group.
+        assert all(len(values) == 1 for values in norms.values()), (rank, norms)
+    clipped = sum(s["norm"] > MAX_NORM for s in _steps(tmp_path / "g0.log"))
+    assert 0 < clipped < len(_steps(tmp_path / "g0.log"))  # the clip acted at some steps
 
     # Healed and proven: at the end every group compared itself with the others
     # (replica_drift across the groups) and found nothing, on every rank.
@@ -215,13 +221,9 @@ def test_a_killed_group_stops_nobody_heals_and_matches(
     # The record (sample-order's log, written by the library at each commit) names what
     # each committed step trained and lost; the workers' own logs say which groups
     # committed which step, and the two agree.
+    from ft_worker import order
     from sample_order import read_sample_log
 
-    sys.path.insert(0, str(SUPPORT))
-    try:
-        from ft_worker import order
-    finally:
-        sys.path.remove(str(SUPPORT))
     the_order = order(groups, ranks)
     history = read_sample_log(tmp_path / "record", the_order)
     committed: dict[int, set[int]] = {}
@@ -244,7 +246,7 @@ def test_a_killed_group_stops_nobody_heals_and_matches(
         range(died_in, healed_first)
     )
     absent = sum(groups - len(in_) for in_ in committed.values())
-    assert history.lost_count == absent * BATCH_PER_GROUP * ranks > 0
+    assert history.lost_count == absent * BATCH * ranks > 0
 
     # One process trained on the record's samples (each writer's with its group's choices)
     # reaches the same weights.
@@ -288,12 +290,9 @@ def _check_the_checkpoint_left(
 
 def _plain_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The workers' model, built as they build it, in this process, with its AdamW."""
-    sys.path.insert(0, str(SUPPORT))
-    try:
-        from ft_worker import WIDTH, Gated
-        from replica_init import build_replicated_model
-    finally:
-        sys.path.remove(str(SUPPORT))
+    from ft_worker import WIDTH, Gated
+    from replica_init import build_replicated_model
+
     model = build_replicated_model(
         Gated, {"width": WIDTH}, device="cpu", default_dtype=torch.float32, seed=0
     )
@@ -302,11 +301,8 @@ def _plain_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 def _replay(trained: dict[int, dict[str, list[int]]], strategy: str) -> dict[str, torch.Tensor]:
     """The recorded steps in one process: each step's samples, writer by writer."""
-    sys.path.insert(0, str(SUPPORT))
-    try:
-        from ft_worker import data, loss_sum, uses_aux
-    finally:
-        sys.path.remove(str(SUPPORT))
+    from ft_worker import data, loss_sum, uses_aux
+
     model, optimizer = _plain_model()
     for step in sorted(trained):
         parts = [
@@ -321,6 +317,7 @@ def _replay(trained: dict[int, dict[str, list[int]]], strategy: str) -> dict[str
             for param in model.parameters():
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         optimizer.step()
     return {k: v.detach() for k, v in model.state_dict().items()}
 
