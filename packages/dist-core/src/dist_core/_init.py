@@ -44,6 +44,12 @@ def init_distributed(
     - ``timeout`` (a ``timedelta`` or seconds; default :data:`DEFAULT_TIMEOUT`) for every
       collective.
 
+    Under fault tolerance (torchft's replica groups) each group is its own job and calls this
+    in its own processes: one ``torchrun`` per group, or one ``srun`` step per group with its
+    own ``MASTER_PORT`` (``srun --export ALL,MASTER_PORT=29401 ...``; steps of one allocation
+    otherwise derive the same port from the job id). The default process group is then the
+    group's, and its store is the one torchft's ``Manager`` uses.
+
     Args:
         backend: ``"nccl"``, ``"gloo"`` or another backend name; ``None`` picks as above.
         timeout: The collective timeout.
