@@ -272,18 +272,18 @@ def main() -> None:
             if ft is None:
                 first = manager.resume(model, optimizer)
         # torchft's commit: zero_grad() joins the step's quorum (a group behind heals there),
-        # step() runs only if every live group's step succeeded.
+        # step() runs only if this group's step succeeded on all its ranks.
         stepper = ft.wrap_optimizer(optimizer) if ft is not None else optimizer
         if ft is not None and manager is not None:
             # Through the manager's commit, with its state: a checkpoint never holds a step
-            # that some group rolled back.
+            # that the group rolled back.
             first = ft.resume(manager)
             ft.save_on_commit(manager)
         step = first
         while step < args.steps:
             if ft is not None:
                 stepper.zero_grad()
-                step = ft.step  # the step every live group committed: a healed group's too
+                step = ft.step  # the steps committed: a healed group's too
                 if step >= args.steps:
                     break
             if order is None:

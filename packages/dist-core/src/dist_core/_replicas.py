@@ -22,7 +22,10 @@ class ReplicaReduce(Protocol):
     """The reduction across replica groups (the same call on every rank of every live group)."""
 
     def sum_(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` in place over this step's live replica groups."""
+        """Sum ``tensor`` in place over this step's live replica groups (on any device).
+
+        A reduction that fails (a peer died mid-call) leaves this group's own values.
+        """
 
     def live(self) -> int:
         """The replica groups in this step."""

@@ -80,7 +80,7 @@ def attach_fault_tolerance(
     )
     handle = FaultTolerance(config, manager, cross, model, device)
     # global_count: the live groups' tokens; replica_drift: the live groups compared
-    set_replica_reduce(model, _LiveGroups(manager, config.replica_id))
+    set_replica_reduce(model, _LiveGroups(manager, cross, device, config.replica_id))
     if ddp:
         model.register_comm_hook(handle, _managed_hook(dist.get_world_size()))  # type: ignore[operator]
     else:
@@ -109,17 +109,24 @@ def attach_fault_tolerance(
 class _LiveGroups:
     """dist-core's ``ReplicaReduce`` over the groups in torchft's quorum this step."""
 
-    def __init__(self, manager: Manager, replica_id: int) -> None:
+    def __init__(self, manager: Manager, cross: Any, device: torch.device, replica_id: int) -> None:
         self._manager = manager
+        self._cross = cross
+        self._device = device  # the cross-group process group's: NCCL on CUDA, gloo on CPU
         self._replica_id = replica_id
 
     def sum_(self, tensor: torch.Tensor) -> None:
         local = tensor.clone()
-        self._manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM).wait()
+        moved = tensor.to(self._device)  # the same tensor where it lives there already
+        self._manager.allreduce(moved, reduce_op=dist.ReduceOp.SUM).wait()
         # NOTE: a failed reduce leaves the tensor undefined and the step uncommitted: the
         # group's own sum is kept, so a count stays a count for the step that is discarded.
-        if self._manager.errored() is not None:
+        # On NCCL, wait() does not block the host and a failure only marks the cross group
+        # errored (torchft aborts it from a timer): its errored() synchronizes first.
+        if self._manager.errored() is not None or self._cross.errored() is not None:
             tensor.copy_(local)
+        elif moved is not tensor:
+            tensor.copy_(moved)
 
     def live(self) -> int:
         return int(self._manager.num_participants())

@@ -29,6 +29,7 @@ from torch import nn
 
 from checkpoint_io import CheckpointManager
 from ddp_wrap import unwrap_ddp_module
+from dist_core import agree
 from rng_fork import RngState, capture_rng_state, restore_rng_state
 from sample_order import SampleLog, SampleOrder
 from strategy_config import FaultToleranceConfig
@@ -77,7 +78,9 @@ class FaultTolerance:
         ``zero_grad()`` starts the step's quorum (a group behind the others receives the
         weights, the optimizer state and the RNG streams of a live peer there, before its
         forward): call it before each step's first forward, the first step's included.
-        ``step()`` runs only if every live group's step succeeded (``manager.should_commit()``).
+        ``step()`` runs only if this group's step succeeded on all its ranks, its cross-group
+        reduces included (torchft's ``should_commit``, agreed inside the group; a group whose
+        reduce failed discards its step while the others may commit theirs).
 
         Raises:
             TypeError: If ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -102,10 +105,11 @@ class FaultTolerance:
             def step(self, closure: object = None) -> None:
                 if closure is not None:
                     raise ValueError("an optimizer closure is not supported under torchft")
-                step = handle.step
-                if self.manager.should_commit():  # every live group's step succeeded
+                if self.manager.should_commit():  # this group's step succeeded everywhere
                     self.optim.step()
-                    handle._committed(step)
+                    handle._committed(int(self.manager.current_step()) - 1)
+                else:
+                    handle._discarded()
 
         managed: torch.optim.Optimizer = _Committing(self.manager, optimizer)
         return managed
@@ -149,8 +153,8 @@ class FaultTolerance:
     ) -> None:
         """Checkpoint through the manager's commit: after each committed step, ``maybe_save``.
 
-        A checkpoint is written only once every live group committed its step (never a step
-        some group rolled back), numbered by the steps committed, with the manager's own state
+        A checkpoint is written only once this group committed the step (never a step it
+        rolled back), numbered by the steps committed, with the manager's own state
         (as torchft requires) beside the model, the optimizer and ``stateful``. Each group
         writes its own ``checkpoints.root``; a checkpoint loads without torchft too.
 
@@ -187,12 +191,28 @@ class FaultTolerance:
     def _committed(self, step: int) -> None:
         """After ``step`` committed: its samples into the record, then the checkpoint."""
         order, log = self._record or (None, None)
+        failure: OSError | None = None
         if order is not None and log is not None:  # the group's rank 0
             groups = self.config.replica_groups
-            log.write(step, order.shard(step, rank=self.config.replica_id, world_size=groups))
+            try:
+                log.write(step, order.shard(step, rank=self.config.replica_id, world_size=groups))
+            except OSError as error:  # (a full disk): every rank of the group raises it
+                failure = error
+        if order is not None:
+            agree(failure, f"recording the samples of step {step}")
         if self._saving is not None:
             checkpoints, stateful = self._saving
             checkpoints.maybe_save(step + 1, self._model, self._optimizer, stateful=stateful)
+
+    def _discarded(self) -> None:
+        """After a step this group discarded: a stop signal is still honoured."""
+        # NOTE: the state is the committed one, at ``step``; maybe_save at a step that is not a
+        # multiple of ``every`` saves only when a rank got a stop signal (every multiple was
+        # saved at its commit already), so a group that cannot commit still stops cleanly.
+        step = self.step
+        if self._saving is not None and step % self._saving[0].every:
+            checkpoints, stateful = self._saving
+            checkpoints.maybe_save(step, self._model, self._optimizer, stateful=stateful)
 
     def _state(self) -> dict[str, Any]:
         assert self._optimizer is not None
@@ -213,7 +233,7 @@ class FaultTolerance:
 
     @property
     def step(self) -> int:
-        """The last step every live group committed (the manager's, healed with the state)."""
+        """The steps this group committed (the manager's, healed with the state)."""
         return int(self.manager.current_step())
 
     def participants(self) -> int:

@@ -51,15 +51,13 @@ def compare_groups(across: ReplicaReduce, digests: list[tuple[str, str]]) -> Gro
     table[place, 0] = 1.0
     table[place, 1] = float(across.replica_id())
     table[place, 2:] = torch.tensor([_pieces(d) for _, d in digests], dtype=torch.float64).view(-1)
-    device = collective_device(None) if is_distributed() else torch.device("cpu")
-    summed = table.to(device)  # the groups' reduction runs where the group's collectives run
-    across.sum_(summed)
-    table = summed.cpu()
+    across.sum_(table)  # (the reduction moves it to the groups' device and back)
     # NOTE: every row holds exactly one group's values only if every group added its own row
     # once; a reduction that failed (a peer died) leaves this group's row alone. The group's
     # ranks agree on that before any of them raises (none is left in the all-reduce below).
-    broken = not torch.equal(table[:, 0], torch.ones(live, dtype=torch.float64))
-    ids = [int(v) for v in table[:, 1].tolist()]
+    broken = not (
+        torch.isfinite(table).all() and torch.equal(table[:, 0], torch.ones(live).double())
+    )
     pieces = table[:, 2:].view(live, len(digests), _PIECES)
     unequal = (pieces != pieces[0]).any(dim=2)  # [group, tensor]
     verdict = torch.cat(
@@ -70,7 +68,7 @@ def compare_groups(across: ReplicaReduce, digests: list[tuple[str, str]]) -> Gro
         ]
     )
     if is_distributed() and dist.get_world_size() > 1:  # this group's ranks: one verdict
-        on_device = verdict.to(device)
+        on_device = verdict.to(collective_device(None))
         dist.all_reduce(on_device, op=dist.ReduceOp.MAX)
         verdict = on_device.cpu()
     if verdict[0]:
@@ -79,6 +77,7 @@ def compare_groups(across: ReplicaReduce, digests: list[tuple[str, str]]) -> Gro
             f"{table[:, 0].tolist()} of {live}); call replica_drift again at the next step"
         )
     first = int(-verdict[-1].item())
+    ids = [int(v) for v in table[:, 1].tolist()]
     return GroupsCompared(
         groups=ids,
         differing=[ids[g] for g, flag in enumerate(verdict[1:-1].tolist()) if flag],
