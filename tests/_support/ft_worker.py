@@ -1,6 +1,7 @@
 """One torchft replica group, run as its own job (one process, or torchrun's ranks).
 
-``python ft_worker.py LIGHTHOUSE REPLICA_ID GROUPS LOG FINISH CKPT [die]`` (one rank, DDP), or
+``python ft_worker.py LIGHTHOUSE REPLICA_ID GROUPS LOG FINISH CKPT [die|die-in-step]`` (one rank,
+DDP), or
 the same under torchrun with ``FT_STRATEGY=hsdp`` (HSDP inside the group). It builds a seeded
 Gated regressor with ``prepare_model`` (``fault_tolerance`` set) and trains with AdamW (two
 micro-batches, the first under ``no_sync``, then ``clip_grad_norm``) on its samples of each step (``FaultTolerance.samples`` under one ``SampleOrder``), its loss the mean
@@ -10,7 +11,8 @@ rank appends one JSON line per step to LOG (rank r > 0 to LOG.r): the step it ra
 committed, the live groups, a draw from the CPU stream after the quorum, the digest of its
 weights. Every SAVE_EVERY steps each group saves a checkpoint, with the manager's state, under
 CKPT/replica_<id> (resumed from there at the start); with ``die`` the group's last rank
-SIGKILLs itself inside the group's second save. It stops at the step written in the file
+SIGKILLs itself inside the group's second save, with ``die-in-step`` in step DIE_STEP, between
+its two backwards (its peers are then in that step's cross-group reduce, which fails). It stops at the step written in the file
 FINISH (when that file appears), compares the groups (``replica_drift``) and logs the report,
 its final digest and whole weights.
 """
@@ -39,6 +41,7 @@ NUM_SAMPLES = 96
 MAX_NORM = 2.0  # clips about half the steps
 STEP_PAUSE_S = 0.15
 SAVE_EVERY = 3
+DIE_STEP = 7  # with die-in-step: not a step that saves
 
 
 def order(groups: int, ranks: int) -> SampleOrder:
@@ -110,6 +113,7 @@ class _DieInSecondSave:
 def main() -> None:
     lighthouse, replica, groups, log, finish, ckpt_root = sys.argv[1:7]
     die = sys.argv[7:] == ["die"]
+    die_in_step = sys.argv[7:] == ["die-in-step"]
     replica_id = int(replica)
     strategy = os.environ.get("FT_STRATEGY", "ddp")
     if "RANK" not in os.environ:  # one rank, no torchrun
@@ -187,6 +191,8 @@ def main() -> None:
             with no_sync(model):
                 summed = loss_sum(model, x[:2], y[:2], mask[:2], aux)
                 count_mean(summed, count, model=model).backward()
+            if die_in_step and step == DIE_STEP and rank == world - 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # before its cross-group reduce
             count_mean(loss_sum(model, x[2:], y[2:], mask[2:], aux), count, model=model).backward()
             norm = float(clip_grad_norm(model, MAX_NORM))  # the same on every live rank
             optimizer.step()

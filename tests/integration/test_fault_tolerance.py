@@ -1,11 +1,12 @@
 """torchft's replica groups on the real lighthouse (``torchft_lighthouse``, started and stopped here).
 
-Three DDP replica groups of one rank each, each its own process and job: one is SIGKILLed at a
-step, the others keep committing without a restart, the group is started again, heals from a
-live peer and ends bit-identical to them; the weights equal one process trained on the samples
-the groups committed (the loss a mean over the samples that count in the live groups, through
-``global_count`` and ``count_mean``), and the samples lost while the group was down are the
-ones its record names.
+Three DDP replica groups of one rank each (one killed mid-step), and two HSDP groups of two
+ranks under torchrun (one killed while saving), each group its own job: the others keep
+committing without a restart, the group is started again, heals from a live peer and ends
+bit-identical to them (``replica_drift`` across the groups finds nothing); the weights equal
+one process trained on the samples the record names (the loss a mean over the samples that
+count in the live groups, through ``global_count`` and ``count_mean``), and the samples lost
+while the group was down are the ones the record names.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from ft_worker import BATCH, MAX_NORM, SAVE_EVERY
+from ft_worker import BATCH, DIE_STEP, MAX_NORM, SAVE_EVERY
 
 SUPPORT = Path(__file__).parents[1] / "_support"
 WORKER = SUPPORT / "ft_worker.py"
@@ -106,12 +107,18 @@ def _steps(path: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("strategy", "groups", "ranks"),
-    [("ddp", 3, 1), ("hsdp", 2, 2)],
-    ids=["ddp-3x1", "hsdp-2x2-torchrun"],
+    ("strategy", "groups", "ranks", "death"),
+    [("ddp", 3, 1, "die-in-step"), ("hsdp", 2, 2, "die")],
+    ids=["ddp-3x1-dies-mid-step", "hsdp-2x2-torchrun-dies-saving"],
 )
 def test_a_killed_group_stops_nobody_heals_and_matches(
-    lighthouse: str, tmp_path: Path, process_group: None, strategy: str, groups: int, ranks: int
+    lighthouse: str,
+    tmp_path: Path,
+    process_group: None,
+    strategy: str,
+    groups: int,
+    ranks: int,
+    death: str,
 ) -> None:
     finish, checkpoints = tmp_path / "finish", tmp_path / "checkpoints"
     last = groups - 1  # the group that dies
@@ -140,7 +147,7 @@ def test_a_killed_group_stops_nobody_heals_and_matches(
         return process
 
     try:
-        running = [start(g, f"g{g}") for g in range(last)] + [start(last, "gx", "die")]
+        running = [start(g, f"g{g}") for g in range(last)] + [start(last, "gx", death)]
         _wait(lambda: running[last].poll() is not None, "the group's death", deadline_s=120)
         assert running[last].returncode != 0, _text(tmp_path / "gx.out")[-3000:]
         # The survivors commit on their own, with no restart.
@@ -182,12 +189,23 @@ def test_a_killed_group_stops_nobody_heals_and_matches(
         ends = {_lines(tmp_path / f"{name}.log{suffix}")[-1]["final"] for name in finals}
         assert len(ends) == 1, (rank, ends)
     assert len({f["step"] for f in finals.values()}) == 1
-    # The killed group died in its second save, of step died_in: the save runs in the commit
-    # of the step before (after the last step it logged); the restarted one resumed from its
-    # last complete checkpoint, then healed to the others' step.
-    died_in = max(s["step"] for s in _steps(tmp_path / "gx.log")) + 2
-    assert died_in % SAVE_EVERY == 0
-    assert _lines(tmp_path / "gy.log")[0]["resumed"] == died_in - SAVE_EVERY
+    resumed = _lines(tmp_path / "gy.log")[0]["resumed"]
+    if death == "die":
+        # The killed group died in its second save, of step died_in: the save runs in the
+        # commit of the step before (after the last step it logged); the restarted one
+        # resumed from its last complete checkpoint, then healed to the others' step.
+        died_in = max(s["step"] for s in _steps(tmp_path / "gx.log")) + 2
+        assert died_in % SAVE_EVERY == 0 and resumed == died_in - SAVE_EVERY
+        assert not (checkpoints / f"replica_{last}" / f"step-{died_in}").exists()
+    else:
+        # It died in step DIE_STEP between its two backwards, while its peers were in that
+        # step's cross-group reduce: they discarded the step (torchft's commit said no), then
+        # trained it again without it. The restarted group resumed from its last save.
+        died_in = max(s["step"] for s in _steps(tmp_path / "gx.log")) + 1
+        assert died_in == DIE_STEP and resumed == DIE_STEP // SAVE_EVERY * SAVE_EVERY
+        tries = [s for s in _steps(tmp_path / "g0.log") if s["step"] == died_in]
+        assert not tries[0]["committed"] and tries[0]["participants"] == groups, tries
+        assert tries[-1]["committed"] and tries[-1]["participants"] == groups - 1, tries
     healed_first = _steps(tmp_path / "gy.log")[0]["step"]
     assert healed_first > died_in + 3
 
@@ -231,8 +249,9 @@ def test_a_killed_group_stops_nobody_heals_and_matches(
         for s in _steps(tmp_path / f"{name}.log"):
             if s["committed"]:
                 committed.setdefault(s["step"], set()).add(s["replica"])
-    assert f"replica_{last}" in history.trained[died_in - 1]  # committed, then died saving
-    committed.setdefault(died_in - 1, set()).add(last)  # (its worker never logged that step)
+    if death == "die":  # the step it committed, then died saving: its worker never logged it
+        assert f"replica_{last}" in history.trained[died_in - 1]
+        committed.setdefault(died_in - 1, set()).add(last)
     assert sorted(history.trained) == sorted(committed)
     for step, in_ in committed.items():
         assert {int(w.split("_")[1]) for w in history.trained[step]} == in_, step
@@ -257,7 +276,7 @@ def test_a_killed_group_stops_nobody_heals_and_matches(
     )
     assert worst <= REFERENCE_BOUND, worst
     _check_the_checkpoint_left(
-        checkpoints / f"replica_{last}", died_in, history.trained, strategy, ranks
+        checkpoints / f"replica_{last}", resumed, history.trained, strategy, ranks
     )
     heal_s = _steps(tmp_path / "gy.log")[0]["t"] - restarted_at
     sys.stdout.write(
@@ -268,21 +287,17 @@ def test_a_killed_group_stops_nobody_heals_and_matches(
 
 
 def _check_the_checkpoint_left(
-    root: Path, died_in: int, trained: dict[int, dict[str, list[int]]], strategy: str, ranks: int
+    root: Path, latest: int, trained: dict[int, dict[str, list[int]]], strategy: str, ranks: int
 ) -> None:
-    """The dead group's checkpoints: the one being written when it died never appeared (the
-    restarted group resumed from the one before and saved only past the others' step); that
-    one loads without torchft, in one process, at its step."""
+    """The dead group's last complete checkpoint (the one its restart resumed from) loads
+    without torchft, in one process, at its step, and matches the replay of the steps before."""
     from checkpoint_io import load_checkpoint
 
-    assert not (root / f"step-{died_in}").exists()
-    latest = root / f"step-{died_in - SAVE_EVERY}"
     model, optimizer = _plain_model()
-
-    info = load_checkpoint(latest, model, optimizer)  # the manager's state left out
+    info = load_checkpoint(root / f"step-{latest}", model, optimizer)  # no manager's state
     assert info.world_size == ranks  # saved by the group's ranks, loaded by one process
-    assert info.step == died_in - SAVE_EVERY
-    before = {step: shares for step, shares in trained.items() if step < died_in - SAVE_EVERY}
+    assert info.step == latest
+    before = {step: shares for step, shares in trained.items() if step < latest}
     reference = _replay(before, strategy)
     worst = max((model.state_dict()[k] - v).abs().max().item() for k, v in reference.items())
     assert worst <= REFERENCE_BOUND, worst
