@@ -116,17 +116,15 @@ class _LiveGroups:
         self._replica_id = replica_id
 
     def sum_(self, tensor: torch.Tensor) -> None:
-        local = tensor.clone()
-        moved = tensor.to(self._device)  # the same tensor where it lives there already
-        self._manager.allreduce(moved, reduce_op=dist.ReduceOp.SUM).wait()
-        # NOTE: a failed reduce leaves the tensor undefined and the step uncommitted: the
-        # group's own sum is kept, so a count stays a count for the step that is discarded.
-        # On NCCL, wait() does not block the host and a failure only marks the cross group
+        # NOTE: the sum runs on a copy on the cross group's device, the same path on CPU and
+        # CUDA: ``tensor`` takes the result only if the reduce succeeded, so a failed one
+        # leaves the group's own values (a count stays a count for the step discarded). On
+        # NCCL, wait() does not block the host and a failure only marks the cross group
         # errored (torchft aborts it from a timer): its errored() synchronizes first.
-        if self._manager.errored() is not None or self._cross.errored() is not None:
-            tensor.copy_(local)
-        elif moved is not tensor:
-            tensor.copy_(moved)
+        summed = tensor.to(self._device, copy=True)
+        self._manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
+        if self._manager.errored() is None and self._cross.errored() is None:
+            tensor.copy_(summed)
 
     def live(self) -> int:
         return int(self._manager.num_participants())
