@@ -30,6 +30,7 @@ from torch import nn
 from checkpoint_io import CheckpointManager
 from ddp_wrap import unwrap_ddp_module
 from dist_core import agree
+from distributed_strategy._lighthouse import replica_name
 from rng_fork import RngState, capture_rng_state, restore_rng_state
 from sample_order import SampleLog, SampleOrder
 from strategy_config import FaultToleranceConfig
@@ -145,7 +146,7 @@ class FaultTolerance:
             ValueError: If ``order``'s global batch cannot be split over the groups' ranks.
         """
         self.samples(order, 0)  # the split checked now, not at the first commit
-        writer = f"replica_{self.config.replica_id}"
+        writer = replica_name(self.config)  # the group's name at the lighthouse, one spelling
         self._record = (order, SampleLog(folder, writer=writer) if dist.get_rank() == 0 else None)
 
     def save_on_commit(

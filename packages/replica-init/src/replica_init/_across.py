@@ -55,9 +55,7 @@ def compare_groups(across: ReplicaReduce, digests: list[tuple[str, str]]) -> Gro
     # NOTE: every row holds exactly one group's values only if every group added its own row
     # once; a reduction that failed (a peer died) leaves this group's row alone. The group's
     # ranks agree on that before any of them raises (none is left in the all-reduce below).
-    broken = not (
-        torch.isfinite(table).all() and torch.equal(table[:, 0], torch.ones(live).double())
-    )
+    broken = not (torch.isfinite(table).all() and bool((table[:, 0] == 1).all()))
     pieces = table[:, 2:].view(live, len(digests), _PIECES)
     unequal = (pieces != pieces[0]).any(dim=2)  # [group, tensor]
     verdict = torch.cat(

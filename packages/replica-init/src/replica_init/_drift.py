@@ -101,30 +101,37 @@ def replica_drift(model: nn.Module) -> DriftReport:
     Returns:
         The report; ``str(report)`` is one line for a log.
     """
-    report = _within_group(model)
+    group = _replica_group(model)
     across = replica_reduce(model)
+    # this rank's tensors (its shards under FSDP), each hashed once for both comparisons
+    tensors = [(n, local_tensor(t)) for n, t in named_state_tensors(unwrap_model(model))]
+    within = group is not None and is_distributed()
+    digests = [digest_entry(n, t) for n, t in tensors] if within or across is not None else []
+    report = _within_group(model, group if within else None, tensors, digests)
     if across is None:
         return report
-    local = [(n, local_tensor(t)) for n, t in named_state_tensors(unwrap_model(model))]
-    found = compare_groups(across, [digest_entry(name, tensor) for name, tensor in local])
+    found = compare_groups(across, digests)
     return dataclasses.replace(
         report,
-        compared=max(report.compared, len(local)),
+        compared=max(report.compared, len(tensors)),
         drifted=report.drifted or bool(found.differing),
-        tensor=report.tensor or (None if found.tensor is None else local[found.tensor][0]),
+        tensor=report.tensor or (None if found.tensor is None else tensors[found.tensor][0]),
         groups=found.groups,
         groups_drifted=found.differing,
     )
 
 
-def _within_group(model: nn.Module) -> DriftReport:
-    """The comparison over the model's own process group (its replicas, if any)."""
-    group, tensors = _replicated(model)
+def _within_group(
+    model: nn.Module,
+    group: dist.ProcessGroup | None,
+    tensors: list[tuple[str, torch.Tensor]],
+    digests: list[tuple[str, str]],
+) -> DriftReport:
+    """The comparison over the model's own replica group (``None``: nothing replicated)."""
     norm = _grad_norm(model)
-    if group is None or not is_distributed():
+    if group is None:
         return DriftReport(compared=0, group_ranks=[0], drifted=False, grad_norms=[norm])
     members = dist.get_process_group_ranks(group)
-    digests = [digest_entry(name, tensor) for name, tensor in tensors]
     fingerprints: list[tuple[str, float | None]] = [("", None)] * len(members)
     dist.all_gather_object(fingerprints, (combine(digests), norm), group=group)
     norms = [value for _, value in fingerprints]
@@ -157,20 +164,16 @@ def _within_group(model: nn.Module) -> DriftReport:
     )
 
 
-def _replicated(
-    model: nn.Module,
-) -> tuple[dist.ProcessGroup | None, list[tuple[str, torch.Tensor]]]:
-    """The replica group and this rank's replicated tensors, sorted by name."""
+def _replica_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The group whose ranks hold the same tensors: DDP's, or HSDP's replicate dimension."""
     strategy = strategy_of(model)
-    named = list(named_state_tensors(unwrap_model(model)))
     if strategy == "ddp":
-        return getattr(unwrap_compiled(model), "process_group", None) or dist.group.WORLD, named
+        return getattr(unwrap_compiled(model), "process_group", None) or dist.group.WORLD
     if strategy == "hsdp":
         mesh = fsdp_mesh(model)
         assert mesh is not None  # strategy_of read "hsdp" from it
-        local = [(name, local_tensor(t)) for name, t in named]
-        return mesh.get_group(0), local  # HSDP's mesh: (replicate, shard)
-    return None, []
+        return mesh.get_group(0)  # HSDP's mesh: (replicate, shard)
+    return None
 
 
 def _grad_norm(model: nn.Module) -> float | None:

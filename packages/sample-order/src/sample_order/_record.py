@@ -131,9 +131,9 @@ def read_sample_log(folder: str | os.PathLike[str], order: SampleOrder) -> Sampl
             trained.setdefault(step, {})[writer] = samples
     lost: dict[int, list[int]] = {}
     for step in sorted(trained):
-        batch, seen = order.batch(step), dict[int, str]()
+        batch, seen = set(order.batch(step)), dict[int, str]()
         for writer, samples in sorted(trained[step].items()):
-            extra = sorted(set(samples) - set(batch))
+            extra = sorted(set(samples) - batch)
             if extra:
                 raise ValueError(
                     f"{writer} recorded samples {extra[:5]} at step {step}, which are not in "
@@ -147,7 +147,7 @@ def read_sample_log(folder: str | os.PathLike[str], order: SampleOrder) -> Sampl
                         f"{writer}; each writer must record its own share of the batch"
                     )
                 seen[sample] = writer
-        lost[step] = sorted(set(batch) - set(seen))
+        lost[step] = sorted(batch - set(seen))
     return SampleHistory(trained={s: trained[s] for s in sorted(trained)}, lost=lost)
 
 
