@@ -6,9 +6,12 @@ AdamW state, wrapped by Accelerate's ``prepare`` (torch's DDP), saved and loaded
 - checkpoint-io: ``save_checkpoint`` / ``load_checkpoint`` (verified: every record's digest);
 - raw DCP: ``get_state_dict`` + ``dcp.save`` / ``dcp.load`` + ``set_state_dict``;
 - Accelerate: ``save_state`` / ``load_state`` (its model as one safetensors file, the
-  optimizer and RNG through ``torch.save``; no digest).
+  optimizer and RNG through ``torch.save``; no digest);
+- the floor of a verified, all-or-nothing load (load only): the bytes work alone on
+  checkpoint-io's files, with no planning and no check: every record read into a fresh tensor
+  and hashed, then the model's copied into the live parameters (the optimizer's kept as read).
 
-Each round runs the three in a rotated order, each timed from a barrier to the slowest rank's
+Each round runs them in a rotated order, each timed from a barrier to the slowest rank's
 end; the medians and the spread of the rounds are printed as JSON, with the ratios to raw DCP
 and to Accelerate. Accelerate is an optional peer: without it, one line says so.
 
@@ -38,6 +41,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from checkpoint_io import load_checkpoint, save_checkpoint
+from safe_store import read_header, record_digest
 from strategy_bench.workload._presets import BenchTransformer
 
 
@@ -70,6 +74,22 @@ def _rank(rank: int, world: int, port: int, folder: str, rounds: int, out: str) 
         dcp.load(state, checkpoint_id=str(root / "raw"))
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
+    def floor_load() -> None:
+        staged: dict[str, torch.Tensor] = {}
+        for file in sorted((root / "ours").glob("rank*.safetensors")):
+            entries = read_header(file).entries
+            with open(file, "rb", buffering=0) as stream:
+                for name, entry in entries.items():
+                    tensor = torch.empty(entry.shape, dtype=entry.dtype)
+                    view = tensor.reshape(-1).view(torch.uint8).numpy()
+                    stream.seek(entry.data_start + entry.begin)
+                    stream.readinto(view)  # type: ignore[attr-defined]
+                    record_digest(view.data)
+                    staged[name] = tensor
+        with torch.no_grad():
+            for name, value in model.module.state_dict().items():
+                value.copy_(staged[f"model.{name}"])
+
     cases: dict[str, Callable[[], object]] = {
         "ours_save": lambda: save_checkpoint(root / "ours", model, optimizer, overwrite=True),
         "ours_load": lambda: load_checkpoint(root / "ours", model, optimizer),
@@ -77,14 +97,17 @@ def _rank(rank: int, world: int, port: int, folder: str, rounds: int, out: str) 
         "raw_load": raw_load,
         "accelerate_save": lambda: accelerator.save_state(str(root / "accelerate")),
         "accelerate_load": lambda: accelerator.load_state(str(root / "accelerate")),
+        "floor_load": floor_load,
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
-    peers = ["ours", "raw", "accelerate"]
+    peers = ["ours", "raw", "accelerate", "floor"]
     for round_ in range(rounds + 1):  # the first round warms up, untimed
-        order = peers[round_ % 3 :] + peers[: round_ % 3]
+        order = peers[round_ % 4 :] + peers[: round_ % 4]
         for kind in ("save", "load"):
             for peer in order:
                 name = f"{peer}_{kind}"
+                if name not in cases:
+                    continue
                 if kind == "save" and rank == 0:
                     shutil.rmtree(root / peer, ignore_errors=True)
                 dist.barrier()
@@ -105,6 +128,9 @@ def _rank(rank: int, world: int, port: int, folder: str, rounds: int, out: str) 
             summary[f"{kind}_ours_over_accelerate"] = (
                 ours / summary[f"accelerate_{kind}"]["median_s"]
             )
+        floor = summary["floor_load"]["median_s"]
+        summary["load_floor_over_accelerate"] = floor / summary["accelerate_load"]["median_s"]
+        summary["load_ours_over_floor"] = summary["ours_load"]["median_s"] / floor
         summary["rounds"] = rounds
         summary["parameters"] = sum(p.numel() for p in model.parameters())
         text = json.dumps(summary, indent=2)

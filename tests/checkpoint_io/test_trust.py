@@ -113,7 +113,7 @@ def _swap_words(data: bytes, offset: int) -> bytes:
     ids=["flipped-bit", "swapped-words", "truncated-tail"],
 )
 def test_the_digest_detects_damage(tmp_path: Path, damage: Any) -> None:
-    from checkpoint_io._storage.digest import file_entry
+    from checkpoint_io._storage.manifest import file_entry
 
     model, _ = trained()
     path = save_checkpoint(tmp_path / "c", model)

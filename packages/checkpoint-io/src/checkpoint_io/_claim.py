@@ -1,9 +1,8 @@
 """Where a save writes, agreed before DCP's first collective (validate first, then agree).
 
-Every rank collects its state first (no collective) and rank 0 makes the temporary directory;
-then one agreement carries each rank's failure, its stateful digests and its staging layout,
-and rank 0's name for the directory. On a failure anywhere (rank 0's refusal to overwrite
-included) every rank raises there, no rank enters DCP, and nothing is left on disk.
+One agreement carries each rank's failure, stateful digests and staging layout, and rank 0's
+temporary directory. On a failure anywhere every rank raises there, no rank enters DCP, and
+nothing is left on disk.
 """
 
 from __future__ import annotations
@@ -32,9 +31,7 @@ class ClaimPlanner(DefaultSavePlanner):
     """DCP's default save planner, every value that is not a tensor written as JSON."""
 
     def transform_object(self, write_item: WriteItem, object: Any) -> Any:
-        """A tensor as it is; any other value as safe-store's tagged JSON (never a pickle).
-
-        A :class:`Whole` is one value, unwrapped here.
+        """A tensor as it is; any other value (a :class:`Whole` unwrapped) as tagged JSON.
 
         Raises:
             TypeError: A value the codec cannot carry, named by its key.
@@ -54,12 +51,9 @@ def claim_now(
 ) -> Path:
     """The save's temporary directory, made by rank 0 and agreed by every rank (collective).
 
-    A failure on any rank (``failure``; on rank 0 also its refusal to overwrite, or a
-    directory it cannot make) raises on every rank: the failing rank its own error, the others
-    the same type (``FileExistsError``, ``FileNotFoundError``) or :class:`CheckpointError`
-    naming it; the directory is removed. ``parts.everyone`` is set. ``layout``
-    (:func:`~checkpoint_io._background.staging.replicated_share`'s) must be the same on every
-    rank.
+    A failure on any rank (on rank 0 also its refusal to overwrite) raises on every rank, as
+    :func:`agree` does; the directory is removed. ``parts.everyone`` is set. ``layout``
+    (``replicated_share``'s) must be the same on every rank.
 
     Raises:
         CheckpointError: On every rank, if the ranks' layouts differ.

@@ -24,13 +24,10 @@ def agree(
     *,
     share: Any = None,
 ) -> list[Any]:
-    """dist-core's ``agree`` with checkpoint-io's error types.
+    """dist-core's ``agree`` with checkpoint-io's error types; every rank's ``share``.
 
     The failing rank re-raises its own error; the others raise the same type
     (``FileNotFoundError``, ``FileExistsError`` or :class:`CheckpointError`) naming that rank.
-
-    Returns:
-        Every rank's ``share``, by rank (gathered in the same collective).
     """
     return _agree(error, what, group, share=share, kinds=_KINDS, default=CheckpointError)
 
@@ -83,11 +80,6 @@ def single_process_quiet() -> Iterator[None]:
 
 
 def quiet_single_process_notice_in_background() -> None:
-    """Ignore DCP's one-process notice from now on (without a process group only).
-
-    A background save warns from DCP's own thread after the caller has moved on, where a
-    ``catch_warnings`` block cannot reach (and is not thread-safe), so this one notice, which
-    states what checkpoint-io intends, is filtered for the process.
-    """
+    """Ignore DCP's one-process notice for the process (its thread is out of a block's reach)."""
     if not is_distributed():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_NOTICE, category=UserWarning)

@@ -57,12 +57,7 @@ def dcp_failure(what: str, error: CheckpointException) -> str:
 
 
 def default_group_timeout() -> datetime.timedelta | None:
-    """The collective timeout the default group was initialized with (``None``: unknown).
-
-    ``new_group`` does not inherit it (it takes the backend's default, 30 minutes for gloo);
-    a group made for checkpoint-io takes this one, so that a rank whose peer died fails as
-    soon as the training loop's collectives would. Read through a private attribute.
-    """
+    """The default group's collective timeout (``None``: unknown): ``new_group`` drops it."""
     world = dist.group.WORLD
     try:
         backend = world._get_backend(torch.device("cpu"))  # type: ignore[union-attr]
@@ -81,10 +76,7 @@ def async_save_staged(
 ) -> Any:
     """``dcp.async_save`` of a state already staged in host memory: DCP copies nothing.
 
-    Where ``dcp.async_save`` takes a stager (one that hands the state back as it is) and
-    ``no_dist``, both are given; torch 2.6's takes neither: it stages through the writer when
-    the writer is a stager (checkpoint-io's hands a staged state back as it is) and infers
-    ``no_dist``. Checked by the signature, not the version.
+    torch 2.6's takes no stager and no ``no_dist`` (checked by the signature, not the version).
     """
     if not _TAKES_STAGER:  # torch 2.6
         return dcp_async_save(state, storage_writer=writer, planner=planner, process_group=group)

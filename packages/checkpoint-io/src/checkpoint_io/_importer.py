@@ -29,7 +29,6 @@ from checkpoint_io._errors import CheckpointError
 from checkpoint_io._rng import rng_tensors
 from checkpoint_io._save import seal
 from checkpoint_io._stateful import encode_states
-from checkpoint_io._storage.digest import FileTable
 from checkpoint_io._storage.manifest import (
     DCP_METADATA,
     FORMAT,
@@ -38,6 +37,7 @@ from checkpoint_io._storage.manifest import (
     MODEL,
     OPTIM,
     STATEFUL,
+    FileTable,
     rng_file,
     stateful_file,
 )

@@ -146,11 +146,7 @@ def _read(
     rng: bool,
     verify: bool,
 ) -> dict[str, Any]:
-    """Check everything that can be checked before the data, then read it into staging.
-
-    The staging holds fresh tensors shaped like the model's and the optimizer's (on their
-    devices): the model is untouched until everything was read and checked, on every rank.
-    """
+    """Check everything that can be checked before the data, then read it into staging."""
     manifest, metadata, files = read_checked(root, verify=verify)
     current = model_state(model)
     keys = check_model_keys(current, metadata, strict=strict)

@@ -59,13 +59,7 @@ def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
 
 def _check_value(value: Any, what: str) -> None:
-    """Check ``value`` as DCP writes it: dicts and lists walked, anything else one JSON value.
-
-    Tensors in dicts and lists are written as tensors; a tensor inside a tuple has no place.
-
-    Raises:
-        TypeError: Naming where the value sits.
-    """
+    """Check ``value`` as DCP writes it: dicts and lists walked, the rest one JSON value."""
     if isinstance(value, torch.Tensor):
         return
     if isinstance(value, Mapping):
@@ -83,15 +77,7 @@ _FLAT = frozenset({torch.Tensor, nn.Parameter, DTensor, int, float, bool, type(N
 
 
 def _check_keys(values: list[tuple[str, Any]], kind: str) -> None:
-    """A dict inside the state has string keys: DCP flattens it into a key each, a string.
-
-    Args:
-        values: The state's values that are not flat, each with its parameter's name.
-        kind: The optimizer's class name, for the error.
-
-    Raises:
-        TypeError: Naming the parameter and the key (``{0: t}`` loaded back as ``{'0': t}``).
-    """
+    """Every dict inside the state has string keys (DCP makes each key a string)."""
     for name, value in values:
         stack: list[Any] = [value]
         while stack:
@@ -180,12 +166,8 @@ def check_optimizer_groups(
 def _check_paths(paths: list[tuple[object, ...]]) -> None:
     """The optimizer state's paths in DCP's index are as DCP writes them, or refused.
 
-    DCP flattens a dict inside the state into a key each (a string) and a list holding
-    tensors into an index each: a path is ``("state", name, key, ...)``, string keys below a
-    dict and indices below a list, none of them a value's and a container's at once.
-
-    Raises:
-        CheckpointError: A path that DCP does not write (crafted, or damaged).
+    A path is ``("state", name, key, ...)``: string keys below a dict, indices below a list,
+    none of them a value's and a container's at once.
     """
     leaves = set(paths)
     kinds: dict[tuple[object, ...], type] = {}

@@ -24,10 +24,8 @@ def rng_restore(
 ) -> Callable[[], None] | None:
     """What sets this rank's RNG after the load (read and checked now, applied last).
 
-    At the world size that saved: rank r's saved state, read and checked whole now (a
-    state that would not restore is refused before anything changes). At another: streams
-    derived from the checkpoint (:func:`derived_rng_seed`), the same however the process was
-    seeded.
+    At the world size that saved: rank r's saved state. At another: streams derived from the
+    checkpoint (:func:`derived_rng_seed`), the same however the process was seeded.
     """
     if not manifest.get("rng"):
         return None
@@ -53,11 +51,9 @@ def rng_restore(
 def derived_rng_seed(root: Path, manifest: Mapping[str, Any], new_rank: int) -> int:
     """The seed of rank ``new_rank``'s streams after a load at another world size.
 
-    ``derive_seed(step, "checkpoint_io.rng", digests, new_rank)`` (rng-fork's derivation):
-    ``step`` is the checkpoint's (0 when none), ``digests`` the digests of every saved rank's
-    RNG file in rank order (the manifest's), so the streams depend on the checkpoint and the
-    rank alone. The CPU generator and this rank's device generator are seeded with it
-    (rng-fork's ``seed_rng``).
+    ``derive_seed(step, "checkpoint_io.rng", digests, new_rank)``: the checkpoint's step (0
+    when none) and its RNG files' digests in rank order, so the streams depend on the
+    checkpoint and the rank alone. The CPU and this rank's device generator are seeded with it.
     """
     files = manifest["files"]
     parts = [str(files[rng_file(saved)].get("xxh3_128")) for saved in range(manifest["world_size"])]

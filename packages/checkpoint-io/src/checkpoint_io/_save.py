@@ -36,7 +36,6 @@ from checkpoint_io._optimizer import optimizer_state
 from checkpoint_io._rng import rng_tensors
 from checkpoint_io._stateful import StatefulParts
 from checkpoint_io._stateful import collect as collect_stateful
-from checkpoint_io._storage.digest import FileTable, file_entry
 from checkpoint_io._storage.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -44,7 +43,9 @@ from checkpoint_io._storage.manifest import (
     MODEL,
     OPTIM,
     STATEFUL,
+    FileTable,
     PathLike,
+    file_entry,
     next_sequence,
     rng_file,
     stateful_file,
@@ -148,10 +149,11 @@ def agreed_write(
     rng: bool,
     staging: Callable[[dict[str, Any]], tuple[dict[str, Any], str]] | None = None,
 ) -> tuple[dict[str, Any], SafeWriter]:
-    """This rank's state (``staging`` applied), collected, agreed, and the writer DCP takes.
+    """This rank's state (``staging`` applied), agreed by every rank, and DCP's writer.
 
     Every rank collects first (no collective), then :func:`claim_now` agrees: a failure on
-    any rank raises on every rank there, before DCP starts.
+    any rank raises on every rank there, before DCP starts. The writer writes each rank's RNG
+    and stateful files, then its data; at DCP's commit rank 0 seals and publishes.
     """
     state: dict[str, Any] = {}
     parts: StatefulParts | None = None
@@ -169,7 +171,13 @@ def agreed_write(
     partial = claim_now(target, overwrite, failure, parts, layout)
     if parts is not None:  # every rank's digests, known once agreed
         manifest["stateful_state"] = parts.manifest()
-    return state, publishing_writer(target, partial, manifest, rng_state, parts, model)
+    writer = SafeWriter(
+        partial,
+        functools.partial(_side_files, rng_state, parts),
+        functools.partial(seal, partial, target, manifest),
+        device=compute_device(model),
+    )
+    return state, writer
 
 
 def discard(partial: Path) -> None:
@@ -183,12 +191,7 @@ def collect_state(
     optimizer: torch.optim.Optimizer | None,
     stateful: Mapping[str, Any] | None,
 ) -> tuple[dict[str, Any], StatefulParts | None]:
-    """The state DCP writes (plain names) and the ``stateful=`` parts (no collective).
-
-    Raises:
-        ValueError: A model on an accelerator other than the current one.
-        TypeError: A stateful value that could not be read back safely.
-    """
+    """The state DCP writes (plain names) and the ``stateful=`` parts (no collective)."""
     state: dict[str, Any] = {}
     parts: StatefulParts | None = None
     require_model_device(model, "save_checkpoint")
@@ -228,29 +231,6 @@ def new_manifest(
         "model_keys": list(unwrap_model(model).state_dict(keep_vars=True)),
         "extra": dict(extra or {}),
     }
-
-
-def publishing_writer(
-    target: Path,
-    partial: Path,
-    manifest: dict[str, Any],
-    rng_state: RngState | None,
-    parts: StatefulParts | None,
-    model: nn.Module,
-) -> SafeWriter:
-    """DCP's writer into ``partial`` that publishes it at ``target`` when DCP commits.
-
-    Each rank writes its RNG and stateful files, then its data file; once the index is
-    written, rank 0 adds the file tables to ``manifest``, flushes everything to the disk and
-    renames ``partial`` to ``target``. A failure anywhere is raised on every rank by DCP, and
-    nothing is published.
-    """
-    return SafeWriter(
-        partial,
-        functools.partial(_side_files, rng_state, parts),
-        functools.partial(seal, partial, target, manifest),
-        device=compute_device(model),
-    )
 
 
 def _side_files(rng_state: RngState | None, parts: StatefulParts | None, root: Path) -> FileTable:

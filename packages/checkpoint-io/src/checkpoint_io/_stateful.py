@@ -1,12 +1,9 @@
 """``stateful=`` objects, saved and loaded: each rank's own state back to its own rank.
 
-An object's ``DTensor`` leaves (an EMA model under FSDP) go through DCP, resharded as the
-model's. Everything else is this rank's own value (DCP would keep one rank's copy, and load
-only into the fresh object's shape): ``stateful/rank<r>.safetensors`` holds its tensors, and
-the rest as tagged JSON in ``__metadata__`` (written by rank 0, and by each rank whose state
-differs); it loads back as saved, whatever the fresh object holds. The manifest records each
-object's class and every rank's digest: at another world size, a state that differed between
-ranks is refused by name. Objects load first, all or nothing.
+``DTensor`` leaves (an EMA model under FSDP) go through DCP, resharded. The rest is this
+rank's own: ``stateful/rank<r>.safetensors`` (rank 0's, and each rank's that differs) holds
+its tensors and, in ``__metadata__``, the rest as tagged JSON. At another world size a state
+that differed between ranks is refused by name. Objects load first, all or nothing.
 """
 
 from __future__ import annotations
@@ -89,10 +86,6 @@ def encode_states(
     local: Mapping[str, Any], kinds: Mapping[str, str]
 ) -> tuple[str, list[torch.Tensor], dict[str, str]]:
     """Per-rank states as one JSON text, the host copies of their tensors, and each digest.
-
-    Args:
-        local: Each object's state (markers where its ``DTensor`` leaves were).
-        kinds: Each object's class name, for an error.
 
     Raises:
         TypeError: A value the codec cannot carry, naming the object and where it sits.

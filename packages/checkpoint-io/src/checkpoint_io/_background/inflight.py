@@ -34,9 +34,6 @@ class PendingCheckpoint:
         Args:
             timeout: Seconds to wait at most (``None``: as long as it takes).
 
-        Returns:
-            The published checkpoint directory.
-
         Raises:
             CheckpointError: If the write failed on any rank (raised on every rank; nothing
                 was published and the previous checkpoint at ``path``, if any, is intact).

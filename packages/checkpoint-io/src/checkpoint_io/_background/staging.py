@@ -1,14 +1,10 @@
 """Staging for background saves: host copies of the state, in buffers kept between saves.
 
-Each tensor (a ``DTensor``'s local shard) is copied into a host buffer kept from the previous
-save when its shape, stride and dtype match (one save is in flight at a time), so a steady run
-allocates once; the cost is this rank's state in host memory, held between saves. A device
-tensor's buffer is pinned at its exact size (registered with the driver, unregistered when
-freed: ``pin_memory=True`` rounds each block up to a power of two and keeps it), copied
-without blocking, and the save waits once per device. What is handed to DCP is on the host,
-whatever the model's device: a ``DTensor`` is rebuilt over its host shard with the original's
-spec (``DTensor.from_local`` would move it back to the mesh's device);
-:func:`require_host_only` checks it on every save.
+A tensor (a ``DTensor``'s local shard) is copied into the previous save's host buffer when its
+shape, stride and dtype match, so a steady run allocates once. A device tensor's buffer is
+pinned at its exact size and copied without blocking; the save waits once per device. What
+DCP gets is on the host (:func:`require_host_only` checks it): a ``DTensor`` is rebuilt over
+its host shard with the original's spec.
 """
 
 from __future__ import annotations
@@ -59,16 +55,11 @@ def stage(state: dict[str, Any]) -> dict[str, Any]:
 def replicated_share(state: dict[str, Any], rank: int, world: int) -> tuple[dict[str, Any], str]:
     """``state`` without the plain tensors that another rank stages; their layout, in words.
 
-    A plain tensor (not a ``DTensor``: a DDP model's, an optimizer's step) is held by every
-    rank, and DCP writes one rank's copy (its dedup), chosen in its planning, after staging:
-    every rank staged all of them. (A buffer that differs between ranks, such as BatchNorm's
-    running statistics under DDP, comes from one rank either way.) Here the choice is made
-    first, so that each rank copies only its share (with 2 DDP ranks, half the state): the
-    tensors held under a key, in order, each to the rank with the fewest bytes so far. Every
-    rank makes the same choice as long as the ranks' layouts match (keys, shapes, dtypes, in
-    order): the layout (their bytes and the digest of their keys, shapes and dtypes), which
-    the ranks compare when they agree on the claim. Tensors inside lists, values and
-    ``DTensor`` shards stay on every rank.
+    DCP writes one rank's copy of a plain (replicated) tensor; here that choice is made before
+    staging, so each rank copies only its share: each tensor held under a key, in order, goes
+    to the rank with the fewest bytes so far. The ranks choose alike while their layouts
+    (keys, shapes, dtypes, in order) match, which they compare when they agree on the claim.
+    Tensors inside lists, values and ``DTensor`` shards stay on every rank.
     """
     if world <= 1:
         return state, ""
@@ -99,12 +90,7 @@ def pinned(source: torch.Tensor) -> bool:
 
 
 def pin_exact(buffer: torch.Tensor) -> bool:
-    """Page-lock exactly ``buffer``'s storage for the life of that storage.
-
-    Returns:
-        Whether it is pinned: where the driver refuses (a low ``ulimit -l``), a warning says
-        so and the buffer stays pageable (the save copies without overlap, and still holds).
-    """
+    """Page-lock exactly ``buffer``'s storage for its life; ``False`` (warned): pageable."""
     # NOTE: the bytes pinned are the storage's own, never rounded: sum(nbytes) over the
     # buffers, which the test of this module checks through _REGISTER.
     storage = buffer.untyped_storage()

@@ -1,15 +1,4 @@
-"""``CheckpointManager``: every N steps, keep K, async, stop on a signal, resume the latest.
-
-Example::
-
-    manager = CheckpointManager("ckpt", every=500, keep_last=3, async_save=True,
-                                on_sigterm=True)
-    start = manager.resume(model, optimizer)           # 0 on a fresh run
-    for step in range(start, total_steps):
-        train_one_step(step)
-        manager.maybe_save(step + 1, model, optimizer)  # steps completed so far
-    manager.wait()
-"""
+"""``CheckpointManager``: every N steps, keep K, async, stop on a signal, resume the latest."""
 
 from __future__ import annotations
 

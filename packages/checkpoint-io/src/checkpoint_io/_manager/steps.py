@@ -65,10 +65,8 @@ def step_checkpoints(root: Path) -> list[tuple[int, Path]]:
 def incomplete_reason(path: Path) -> str | None:
     """Why the checkpoint at ``path`` is not complete, or ``None`` when it is.
 
-    Complete: the manifest and DCP's index are readable (the index without running any code
-    in it) and checked against itself, and every data file is at its recorded size (format 1:
-    at least as long as the index says): the read path's checks before any data
-    (:func:`read_checked`). Nothing is hashed.
+    Complete: it passes the read path's checks before any data (:func:`read_checked`), and
+    its RNG states would restore. Nothing is hashed.
     """
     try:
         manifest, _, files = read_checked(path, verify=False)
@@ -86,10 +84,8 @@ def incomplete_reason(path: Path) -> str | None:
 def complete_checkpoints(root: Path) -> list[Path]:
     """The complete ``step-<N>`` checkpoints under ``root``, the most recently saved first.
 
-    Saved order is the manifests' ``sequence`` (then the step): after a roll-back (a run
-    resumed from an older step and saved again), the rolled-back run's checkpoints come
-    before the abandoned run's higher steps. Incomplete, damaged and malformed ones are
-    skipped, each with a warning naming why.
+    By the manifests' ``sequence``, then the step: after a roll-back, the rolled-back run's
+    come first. The others are skipped, each with a warning naming why.
     """
     found = []
     for step, candidate in step_checkpoints(root):
@@ -120,12 +116,8 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 def prune(root: Path, keep_last: int, published: int) -> list[Path]:
     """Remove the checkpoints older than the newest ``keep_last`` complete ones up to ``published``.
 
-    ``published`` is the step just published. It is never removed, nor is anything at or
-    above its step: after a roll-back (a save below the newest step, as after a loss spike)
-    the newer checkpoints of the abandoned run are kept, with a warning, and the count of
-    ``keep_last`` runs over the checkpoints at or below ``published`` only. Incomplete
-    checkpoints newer than the oldest kept one are left alone. Returns what was removed.
-    ``keep_last`` is at least 1 (:class:`CheckpointManager` checks it).
+    Nothing at or above ``published`` (the step just published) is removed: after a
+    roll-back the abandoned run's are kept, with a warning. Returns what was removed.
     """
     everything = step_checkpoints(root)
     newer = [path for step, path in everything if step > published]
@@ -153,12 +145,7 @@ def prune(root: Path, keep_last: int, published: int) -> list[Path]:
 
 
 def remove_leftovers(root: Path) -> list[Path]:
-    """Remove the temporary directories of saves that never finished (a killed job).
-
-    An overwrite moves the old checkpoint aside (``.step-N.old-*``) before renaming the new
-    one into place: a job killed between the two renames leaves no ``step-N``. The old one is
-    then put back rather than removed.
-    """
+    """Remove what saves that never finished left; an old one moved aside goes back."""
     if not root.is_dir():
         return []
     leftovers = []
@@ -185,9 +172,7 @@ def resume_latest(
 ) -> int:
     """Load the newest complete checkpoint under ``root`` that loads; its step (0: none).
 
-    Collective: rank 0 lists the complete checkpoints (newest first) and removes the
-    temporary directories of saves that never finished; every rank loads the same one. A
-    failed load changed nothing (it reads into staging), so the next older one starts clean.
+    Collective: every rank tries rank 0's list in order; a failed load changed nothing.
     """
     candidates: list[Path] = []
     if rank() == 0:

@@ -1,11 +1,8 @@
 """Stopping on a signal: which signals, every rank told, and the job requeued after the save.
 
-Schedulers warn before they kill: torchrun's agent sends SIGTERM and SIGKILL 30 s later
-(``--shutdown-timeout``); SLURM sends what ``sbatch --signal=USR1@120`` asks, ahead of the time
-limit, and SIGTERM then SIGKILL (``KillWait``, 30 s by default) at it. A handler only sets a
-flag; at the next step boundary the ranks agree (one all-reduce on a gloo group), every rank
-saves, and after the publish rank 0 requeues the job (``scontrol requeue $SLURM_JOB_ID``, or the
-caller's function) before every rank exits 0.
+A handler only sets a flag; at the next step boundary the ranks agree (one all-reduce on a
+gloo group), every rank saves, and after the publish rank 0 requeues the job (``scontrol
+requeue $SLURM_JOB_ID``, or the caller's function) before every rank exits 0.
 """
 
 from __future__ import annotations
@@ -45,8 +42,7 @@ class StopSignals:
 
     Raises:
         ValueError: A signal that cannot be caught or does not exist, ``requeue=True`` outside
-            a SLURM job, a requeue without signals, or handlers asked for outside the main
-            thread.
+            a SLURM job, a requeue without signals, or signals outside the main thread.
         TypeError: A requeue that is neither a bool nor a callable.
     """
 

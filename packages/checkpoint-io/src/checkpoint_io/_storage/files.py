@@ -1,13 +1,9 @@
 """The one read path: every file of a checkpoint opened once and checked from the bytes decoded.
 
-Every reader reads a checkpoint's files through :class:`CheckpointFiles`. A file is opened
-once, as a regular file inside the checkpoint (no link, no FIFO); it must be one the manifest
-recorded, at its recorded size; with ``verify`` the digest is computed from the very bytes
-that are then decoded (no window between a check and a second read). A data file's
-safetensors header is read first and checked by safetensors' own rules (safe-store); every
-record the index asks for must be exactly one of its tensors' bytes, and is read in file
-order, one at a time, into one reused buffer, its digest checked before it is decoded (and the
-header's, which the records were found by).
+A file is opened once, as a regular file inside the checkpoint (no link, no FIFO), recorded
+in the manifest at its size; with ``verify`` the digest is computed from the very bytes then
+decoded (no window between a check and a second read). A data file's header is checked by
+safetensors' rules (safe-store), and every record read must be exactly one of its tensors.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ from typing import Any, BinaryIO, NoReturn
 from torch.distributed.checkpoint.metadata import Metadata
 
 from checkpoint_io._errors import CheckpointError, escaped, inside, open_regular
-from checkpoint_io._storage.digest import check_sizes
 from checkpoint_io._storage.index import decode_index
 from checkpoint_io._storage.manifest import INDEX_FILE, MANIFEST, read_manifest
 from checkpoint_io._storage.tiling import check_index
@@ -34,8 +29,7 @@ class CheckpointFiles:
 
     Args:
         root: The checkpoint directory.
-        manifest: Its manifest (read by :func:`read_manifest`): which files exist, their
-            sizes and digests (and each data file's records').
+        manifest: Its manifest: each file's size and digests.
         verify: Check each file's (or record's) digest from the bytes read.
 
     Raises:
@@ -87,11 +81,9 @@ class CheckpointFiles:
 
         Args:
             name: The data file, relative to the checkpoint.
-            spans: The records; identical ones are the caller's to merge.
-            each: Called with ``(index into spans, the record's bytes)``, valid until it
-                returns.
-            into: The writable buffer of the record's size to read record ``index`` into
-                (``None``: this reader's own).
+            spans: The records (no two alike).
+            each: Called with ``(index into spans, the record's bytes)``, valid until it returns.
+            into: The buffer to read record ``index`` into (``None``: a reused one).
 
         Raises:
             CheckpointError: As :meth:`read`; a header safetensors would refuse, a record that
@@ -220,9 +212,8 @@ def _short(file: Path, got: int, length: int) -> NoReturn:
 def read_checked(root: Path, *, verify: bool) -> tuple[dict[str, Any], Metadata, CheckpointFiles]:
     """The manifest, DCP's index and the files of ``root``, checked before any data is read.
 
-    The manifest and the index are read once each (the index verified from its bytes); the
-    index is checked against itself and the manifest (:func:`check_index`); every recorded
-    file is present at its size.
+    The index is checked against itself and the manifest; every recorded file is present at
+    its size.
 
     Raises:
         FileNotFoundError: If ``root`` does not exist.
@@ -233,5 +224,13 @@ def read_checked(root: Path, *, verify: bool) -> tuple[dict[str, Any], Metadata,
     files = CheckpointFiles(root, manifest, verify=verify)
     metadata = decode_index(files.read(INDEX_FILE), root / INDEX_FILE)
     check_index(root, metadata, manifest)
-    check_sizes(root, files.table)
+    for name, entry in sorted(files.table.items()):  # every file present at its size, unread
+        file = inside(root, name, source=str(root / MANIFEST))
+        size = file.stat().st_size if file.is_file() else -1
+        if size != int(entry["bytes"]):
+            found = "missing" if size < 0 else f"{size} bytes, {entry['bytes']} were written"
+            raise CheckpointError(
+                f"the checkpoint is truncated or corrupt: {escaped(name)} is {found}; save it "
+                "again (or restore it from a copy)"
+            )
     return manifest, metadata, files

@@ -1,10 +1,7 @@
 """DCP's index as JSON (``index.json``), decoded field by field with caps: no code in it.
 
-It holds each tensor's size, its chunks and where each chunk's bytes lie (a data file, an
-offset, a length), and every value that is not a tensor (safe-store's tagged JSON). A key's
-path is the one its name says (DCP joins its parts with dots), with no list position past
-:data:`MAX_PATH_INDEX` (a list is rebuilt as long as its largest position);
-:mod:`.tiling` checks the chunks against their tensors.
+Each tensor's size, chunks and where each chunk's bytes lie (file, offset, length), and every
+value that is not a tensor (safe-store's tagged JSON).
 """
 
 from __future__ import annotations

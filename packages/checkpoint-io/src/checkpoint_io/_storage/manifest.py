@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint_io._errors import CheckpointError, open_regular, shown
-from safe_store import strict_json
+from safe_store import ALGORITHM, record_digest, strict_json
 
 FORMAT = "checkpoint_io"
 
@@ -38,6 +38,11 @@ MAX_MANIFEST = 64 << 20
 """The largest ``checkpoint.json`` read, in bytes (a padded one is refused unread)."""
 
 MODEL, OPTIM, STATEFUL = "model", "optim", "stateful"
+
+# The manifest's "files": each file's name (relative, "/"-separated) -> {"bytes": n,
+# "xxh3_128": hex, "records": [[offset, length, hex], ...] (a data file's), "rank": writer}.
+# Each rank hashes what it writes as it writes it; no tensor is gathered to check a checkpoint.
+FileTable = dict[str, dict[str, Any]]
 
 IMPORT_HINT = (
     "import it into format 4 with `python -m checkpoint_io import SRC DST --trust-pickle` "
@@ -234,6 +239,13 @@ def next_sequence(root: Path) -> int:
                 except (OSError, CheckpointError):
                     continue  # a damaged one holds no place in the order
     return highest + 1
+
+
+def file_entry(file: Path) -> dict[str, Any]:
+    """``{"bytes": size, "xxh3_128": digest}`` of one small file (the index)."""
+    with open_regular(file) as stream:
+        data = stream.read()
+    return {"bytes": len(data), ALGORITHM: record_digest(data)}
 
 
 def write_manifest(path: Path, manifest: dict[str, Any]) -> None:

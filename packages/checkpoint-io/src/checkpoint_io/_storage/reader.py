@@ -1,10 +1,8 @@
 """DCP's storage reader of format 4: the only code of a load that knows bytes.
 
-Each data file is read once, in file order, through :class:`CheckpointFiles` (its safetensors
-header checked, each record one of its tensors' bytes, verified before it is decoded); a
-record is viewed as its tensor without a copy (``torch.frombuffer`` over the bytes read),
-narrowed to the slice asked for and copied into the planner's target (a load's staging). A
-value that is not a tensor comes from the index, as JSON, to the planner's ``load_bytes``.
+Each data file is read once, in file order, through :class:`CheckpointFiles`; a whole record
+is read straight into its target, any other is viewed without a copy and narrowed into it.
+A value that is not a tensor comes from the index, as JSON, to the planner's ``load_bytes``.
 """
 
 from __future__ import annotations
@@ -46,15 +44,11 @@ def read_into(
         first = next(iter(_compat.rank_failures(error).values()), error)  # the lowest rank's
         if not isinstance(first, Exception):  # KeyboardInterrupt, SystemExit: as themselves
             raise first from None
+        last = (str(first).strip().splitlines() or [""])[-1]
         raise CheckpointError(
             f"reading {what} failed: the checkpoint is truncated or corrupt "
-            f"({type(first).__name__}: {_one_line(first)}); nothing was loaded"
+            f"({type(first).__name__}: {last}); nothing was loaded"
         ) from None
-
-
-def _one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[-1] if lines else ""
 
 
 def _refusal(error: BaseException) -> CheckpointError | None:

@@ -1,9 +1,4 @@
-"""DCP's index checked against itself before anything is read or allocated.
-
-Each tensor's chunks lie inside it, do not overlap and cover it exactly, and each chunk's
-record holds exactly its raw bytes; every data file the index names is one the manifest
-recorded (a planted file is never read). Every reader checks here.
-"""
+"""DCP's index checked against itself and the manifest before anything is read or allocated."""
 
 from __future__ import annotations
 

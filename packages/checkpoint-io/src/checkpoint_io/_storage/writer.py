@@ -1,13 +1,9 @@
 """DCP's storage writer of format 4: the only code of a save that knows bytes.
 
-Each rank writes one data file, ``rank<r>.safetensors``: the tensors DCP planned for it
-(model, optimizer, sharded stateful leaves), streamed one at a time by safe-store's
-``StreamWriter`` and hashed as they are written; the header's ``__metadata__`` carries DCP's
-sharding offsets, so torch's own ``HuggingFaceStorageReader`` reads the tensors too. Values
-that are not tensors travel to the coordinator in the write results as safe-store's JSON and
-land in ``index.json`` with DCP's index. Each rank's RNG and stateful files are written
-beside (:func:`write_tensors_file`), into the directory the ranks agreed before DCP began
-(:func:`~checkpoint_io._claim.claim_now`).
+Each rank streams the tensors DCP planned for it into one ``rank<r>.safetensors``, hashed as
+written; its ``__metadata__`` holds DCP's sharding offsets (torch's ``HuggingFaceStorageReader``
+reads it). Values that are not tensors reach the coordinator as JSON in the write results and
+land in ``index.json`` with DCP's index.
 """
 
 from __future__ import annotations
@@ -24,9 +20,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from checkpoint_io._storage.digest import FileTable
 from checkpoint_io._storage.index import Record, Value, encode_index
-from checkpoint_io._storage.manifest import INDEX_FILE
+from checkpoint_io._storage.manifest import INDEX_FILE, FileTable
 from dist_core import fsync_file, on_device
 from safe_store import StreamWriter
 
@@ -62,8 +57,7 @@ class SafeWriter(StorageWriter):
 
     Args:
         partial: The temporary directory the ranks agreed on.
-        side_files: Writes this rank's other files (RNG, stateful) into the directory given;
-            their table entries.
+        side_files: Writes this rank's RNG and stateful files there; their table entries.
         publish: Publishes the checkpoint on the coordinator, given every rank's file table.
         device: This rank's device; ``None`` or CPU: nothing to enter.
     """
