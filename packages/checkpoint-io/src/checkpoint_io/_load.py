@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from checkpoint_io._arguments import check_model_optimizer, check_stateful
 from checkpoint_io._collective import agree
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._model import (
     check_model_keys,
+    load_model,
     model_state,
     require_model_device,
     template,
@@ -115,7 +115,7 @@ def load_checkpoint(
     # puts back the objects it loaded), and nothing else has changed yet.
     if plan["stateful"] is not None:
         plan["stateful"].apply(stateful or {}, staged.get(STATEFUL, {}))
-    set_model_state_dict(model, staged[MODEL], options=StateDictOptions(strict=strict))
+    load_model(model, staged[MODEL], strict=strict)
     if optimizer is not None:
         load_optimizer(model, optimizer, staged[OPTIM])
     if plan["rng"] is not None:

@@ -10,8 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._storage.manifest import MODEL
@@ -22,6 +27,7 @@ from dist_core import (
     local_tensor,
     require_current_device,
     state_groups,
+    unwrap_compiled,
     unwrap_model,
 )
 from replica_init import state_fingerprint
@@ -44,8 +50,36 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
     Under FSDP2 the values are this rank's ``DTensor`` shards; DCP writes and reshards them.
     """
+    if _unsharded(model):
+        return unwrap_model(model).state_dict()
     state: dict[str, torch.Tensor] = get_model_state_dict(model)  # type: ignore[assignment]
     return state
+
+
+def load_model(model: nn.Module, state: dict[str, torch.Tensor], *, strict: bool) -> None:
+    """Copy ``state`` (plain names, as :func:`model_state` gives them) into ``model``."""
+    if _unsharded(model):
+        unwrap_model(model).load_state_dict(state, strict=strict)
+    else:
+        set_model_state_dict(model, dict(state), options=StateDictOptions(strict=strict))
+
+
+def _unsharded(model: nn.Module) -> bool:
+    """Whether torch's state-dict helpers would give the unwrapped module's own state_dict."""
+    # NOTE: without FSDP, DSD's state dict is the module's own state_dict (the same names and
+    # tensors) once DDP's and torch.compile's layers around the whole model are peeled, after
+    # checks that cost more than a load's copy. Anything else DSD renames (a wrapper inside,
+    # such as a block under torch.compile; DataParallel; FSDP; a module's _fqn_modifiers)
+    # goes through DSD: tests/checkpoint_io/test_model_names.py holds the two to one naming.
+    layer = model
+    while isinstance(layer, DistributedDataParallel) or unwrap_compiled(layer) is not layer:
+        layer = (
+            layer.module if isinstance(layer, DistributedDataParallel) else unwrap_compiled(layer)
+        )
+    return not any(
+        unwrap_model(m) is not m or isinstance(m, FSDPModule) or hasattr(m, "_fqn_modifiers")
+        for m in layer.modules()
+    )
 
 
 def tied_names(model: nn.Module) -> list[list[str]]:
