@@ -15,7 +15,8 @@ Each round runs them in a rotated order, each timed from a barrier to the slowes
 end; the medians and the spread of the rounds are printed as JSON, with the ratios to raw DCP
 and to Accelerate. Accelerate is an optional peer: without it, one line says so.
 
-Usage: ``python benchmarks/checkpoint_peers.py [--rounds 6] [--out FILE]``.
+Usage: ``python benchmarks/checkpoint_peers.py [--rounds 6] [--width 512] [--out FILE]``
+(``--width`` scales the bytes, the tensor count stays).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from safe_store import read_header, record_digest
 from strategy_bench.workload._presets import BenchTransformer
 
 
-def _rank(rank: int, world: int, port: int, folder: str, rounds: int, out: str) -> None:
+def _rank(rank: int, world: int, port: int, folder: str, rounds: int, out: str, width: int) -> None:
     from accelerate import Accelerator
 
     os.environ.update(
@@ -56,7 +57,7 @@ def _rank(rank: int, world: int, port: int, folder: str, rounds: int, out: str) 
     warnings.simplefilter("ignore")
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
-    model = BenchTransformer(vocab=4096, width=512, depth=6, heads=8)
+    model = BenchTransformer(vocab=4096, width=width, depth=6, heads=8)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
     tokens = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(rank))
@@ -145,6 +146,7 @@ def main() -> None:
     """Run the comparison on 2 ranks."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     try:
@@ -156,7 +158,7 @@ def main() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory(prefix="peers-") as folder:
-        mp.spawn(_rank, args=(2, port, folder, args.rounds, args.out), nprocs=2)
+        mp.spawn(_rank, args=(2, port, folder, args.rounds, args.out, args.width), nprocs=2)
 
 
 if __name__ == "__main__":

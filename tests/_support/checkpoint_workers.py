@@ -183,6 +183,7 @@ def everything(rank: int, world_size: int, folder: str) -> dict[str, Any]:
 
     # A save that fails on rank 1: every rank raises, the old checkpoint stays, no leftovers.
     before = sorted(p.name for p in root.iterdir())
+    dist.barrier()  # every rank listed the folder before rank 0 begins the save (its partial)
     try:
         save_checkpoint(root / "ddp-2", ref, opt, stateful={"boom": Exploding()}, overwrite=True)
         out["failed_save"] = "no error"
@@ -204,7 +205,10 @@ def everything(rank: int, world_size: int, folder: str) -> dict[str, Any]:
         except Exception as error:
             out[f"failed_save_{case}"] = f"{type(error).__name__}: {error}"
         dist.barrier()
-    out["after_failed_save"] = sorted(p.name for p in root.iterdir()) == before
+    now = {p.name for p in root.iterdir()}
+    out["after_failed_save"] = sorted(f"-{n}" for n in set(before) - now) + sorted(
+        f"+{n}" for n in now - set(before)
+    )
     probe = build("ddp", seed=1)
     load_checkpoint(root / "ddp-2", probe)  # still loads, verified
     out["old_still_loads"] = True

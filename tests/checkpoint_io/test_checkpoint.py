@@ -86,7 +86,7 @@ def test_failed_save_raises_everywhere_and_keeps_the_old(two_ranks: Any) -> None
     assert results[0]["failed_save_fsdp"] == results[0]["failed_save"]
     for rank in results:
         assert "already exists; pass overwrite=True" in rank["failed_save_exists"]
-        assert rank["after_failed_save"] is True  # no partial directory, old one intact
+        assert rank["after_failed_save"] == [], rank  # no partial directory, old one intact
         assert rank["old_still_loads"] is True
 
 
