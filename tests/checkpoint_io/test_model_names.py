@@ -54,6 +54,15 @@ class _Renamed(nn.Module):
         return {}
 
 
+def _hooked() -> nn.Module:
+    model = _net()
+    extra = torch.ones(1)
+    model[0]._register_state_dict_hook(
+        lambda m, sd, prefix, local: sd.update({prefix + "x": extra})
+    )
+    return model
+
+
 CASES: dict[str, tuple[Callable[[], nn.Module], bool]] = {
     "plain": (_net, True),
     "compiled": (lambda: torch.compile(_net(), backend="eager"), True),  # type: ignore[dict-item]
@@ -62,6 +71,13 @@ CASES: dict[str, tuple[Callable[[], nn.Module], bool]] = {
     "DataParallel": (lambda: nn.DataParallel(_net()), False),
     "fqn modifiers": (lambda: nn.Sequential(_net(), _Renamed()), False),
 }
+
+
+def test_a_key_a_state_dict_hook_adds_goes_through_dsd() -> None:
+    model = _hooked()  # its key is no attribute path: DSD refuses it, at save as under FSDP2
+    assert _unsharded(model) is False
+    with pytest.raises(AttributeError):
+        model_state(model)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

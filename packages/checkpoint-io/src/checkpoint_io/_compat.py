@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 
 __all__ = [
     "CheckpointException",
+    "CheckpointWrapper",
     "EmptyStateDictLoadPlanner",
     "async_save_staged",
     "dcp_failure",

@@ -28,9 +28,7 @@ def open_regular(file: Path) -> BinaryIO:
 
 
 def inside(root: Path, name: str, *, source: str) -> Path:
-    """``root / name``, refused unless it stays inside ``root``.
-
-    No absolute path, no ``..``, no symbolic link that leads out.
+    """``root / name``, refused unless inside ``root`` (no absolute path, ``..`` or link out).
 
     Raises:
         CheckpointError: Naming the file name and where it was found.

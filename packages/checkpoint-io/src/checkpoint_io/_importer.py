@@ -1,11 +1,7 @@
-"""The one door to pickled checkpoints: formats 1-3 of checkpoint-io, and raw ``dcp.save``.
+"""The one door to pickled checkpoints (formats 1-3 of checkpoint-io, raw ``dcp.save``).
 
-Their files are pickles (DCP's ``.metadata``, each value, RNG and stateful files), and reading a
-pickle runs whatever code it names. Nothing on checkpoint-io's default path reads them; this
-module, reached only by ``import_checkpoint(src, dst, trust_pickle=True)`` or ``python -m
-checkpoint_io import SRC DST --trust-pickle``, reads one with DCP's own reader and
-``torch.load`` (``weights_only=False``: it runs the checkpoint's code) and writes it again as
-format 4, in one process. Use it only for checkpoints you trust.
+Reached only by ``import_checkpoint(..., trust_pickle=True)`` or ``--trust-pickle``: it reads
+with DCP's reader and ``torch.load`` (running the checkpoint's code) and writes format 4.
 """
 
 from __future__ import annotations

@@ -58,16 +58,12 @@ def load_checkpoint(
 ) -> CheckpointInfo:
     """Load a checkpoint written by :func:`save_checkpoint` into ``model`` (collective).
 
-    Works under any strategy and world size (DCP reshards), or in one process without a
-    process group. All or nothing: the state is read into staging (fresh tensors on the
-    model's devices, one extra copy of this rank's share until the end), every check runs
-    (the manifest, keys, shapes, dtypes, sizes, the index, every header, the RNG state and,
-    with ``verify``, every file's checksum from the bytes read), and only then are the
-    stateful objects, the model, the optimizer and the RNG changed, in that order (a stateful
-    object whose ``load_state_dict`` raises is the one step that can still fail: the objects
-    loaded before it are put back and nothing else has changed). On any error, I/O failures
-    in the middle of the read included, they are unchanged on every rank, and every rank
-    raises. Nothing in the checkpoint is code: no file is unpickled.
+    Works under any strategy and world size (DCP reshards), or in one process. All or
+    nothing: the state is read into staging (one extra copy of this rank's share), every
+    check runs, and only then are the stateful objects, the model, the optimizer and the RNG
+    changed, in that order (a stateful object whose ``load_state_dict`` raises puts back the
+    ones loaded before it). On any error every rank raises and nothing has changed. No file
+    is unpickled.
 
     Args:
         path: The checkpoint directory.

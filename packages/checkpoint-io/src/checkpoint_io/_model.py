@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from checkpoint_io._compat import CheckpointWrapper
 from checkpoint_io._errors import CheckpointError
 from checkpoint_io._storage.manifest import MODEL
 from checkpoint_io._storage.tiling import saved_entries
@@ -66,18 +67,19 @@ def load_model(model: nn.Module, state: dict[str, torch.Tensor], *, strict: bool
 
 def _unsharded(model: nn.Module) -> bool:
     """Whether torch's state-dict helpers would give the unwrapped module's own state_dict."""
-    # NOTE: without FSDP, DSD's state dict is the module's own state_dict (the same names and
-    # tensors) once DDP's and torch.compile's layers around the whole model are peeled, after
-    # checks that cost more than a load's copy. Anything else DSD renames (a wrapper inside,
-    # such as a block under torch.compile; DataParallel; FSDP; a module's _fqn_modifiers)
-    # goes through DSD: tests/checkpoint_io/test_model_names.py holds the two to one naming.
+    # NOTE: without FSDP, DSD's state dict is the module's own (same names, same tensors) once
+    # DDP and torch.compile around the whole are peeled; what else DSD renames, and keys a
+    # state_dict hook adds, go through it (tests/checkpoint_io/test_model_names.py).
     layer = model
     while isinstance(layer, DistributedDataParallel) or unwrap_compiled(layer) is not layer:
         layer = (
             layer.module if isinstance(layer, DistributedDataParallel) else unwrap_compiled(layer)
         )
     return not any(
-        unwrap_model(m) is not m or isinstance(m, FSDPModule) or hasattr(m, "_fqn_modifiers")
+        unwrap_model(m) is not m
+        or isinstance(m, FSDPModule)
+        or hasattr(m, "_fqn_modifiers")
+        or (m._state_dict_hooks and not isinstance(m, CheckpointWrapper))
         for m in layer.modules()
     )
 

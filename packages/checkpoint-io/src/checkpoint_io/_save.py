@@ -81,16 +81,11 @@ def save_checkpoint(
 ) -> Path:
     """Save ``model`` (and the optimizer, other state, every rank's RNG) to a directory.
 
-    Collective: every rank of the default group calls it; without a process group it runs in
-    one process. The directory holds the ``torch.distributed.checkpoint`` files (each rank
-    writes its shards; replicated tensors are written once), ``checkpoint.json`` and, with
-    ``rng``, each rank's RNG state. Keys are the plain model's ``state_dict()`` keys whatever
-    the wrapping (DDP, FSDP2, ``torch.compile``), and the optimizer state is keyed by
-    parameter name, so the checkpoint loads under any strategy and world size.
-
-    Atomic: everything is written to a temporary sibling directory, which is renamed to
-    ``path`` once every rank has finished. If any rank fails, every rank raises, an existing
-    checkpoint at ``path`` is left intact and no partial directory is left behind.
+    Collective (or in one process without a process group). Keys are the plain model's
+    ``state_dict()`` keys whatever the wrapping, and the optimizer state is keyed by
+    parameter name, so the checkpoint loads under any strategy and world size. Atomic: written
+    to a temporary sibling, renamed to ``path`` once every rank has finished; if any rank
+    fails, every rank raises and an existing checkpoint at ``path`` is left intact.
 
     Args:
         path: The checkpoint directory to create.

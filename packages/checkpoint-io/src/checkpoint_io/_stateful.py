@@ -34,9 +34,8 @@ _MARK = "__checkpoint_io_sharded__"  # a DTensor leaf's place in the per-rank st
 class StatefulParts:
     """What one rank saves of its ``stateful=`` objects.
 
-    Per object its ``DTensor`` leaves (``sharded``, through DCP), its class and its per-rank
-    state's digest; the per-rank states as tagged JSON (``text``) with the host copies of
-    their tensors; ``everyone``: every rank's digests once the ranks settled.
+    ``sharded``: each object's ``DTensor`` leaves; ``text`` and ``tensors``: the per-rank
+    states; ``everyone``: every rank's digests once the ranks agreed.
     """
 
     sharded: dict[str, dict[str, DTensor]]
@@ -169,11 +168,7 @@ def class_name(obj: Any) -> str:
 
 @dataclasses.dataclass
 class StatefulLoad:
-    """What a load of ``stateful=`` objects read, before anything changes.
-
-    Per object its per-rank state as saved (``local``, markers where DTensors go) and DCP's
-    fresh targets of its ``DTensor`` leaves.
-    """
+    """What a load of ``stateful=`` objects read (as saved; DCP's targets) before any change."""
 
     local: dict[str, Any]
     targets: dict[str, dict[str, torch.Tensor]]

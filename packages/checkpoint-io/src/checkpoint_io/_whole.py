@@ -22,8 +22,7 @@ from hf_io import KeyMap, export_tensors
 def model_fingerprint(path: str | os.PathLike[str]) -> str:
     """The full model state's ``replica_init.state_fingerprint``, read offline (one process).
 
-    Strategy-independent: the same for a checkpoint saved under DDP, FSDP or one process
-    when the weights are the same. Reads the whole model into host memory.
+    The same whatever strategy saved the same weights; reads the whole model into host memory.
 
     Raises:
         FileNotFoundError: If ``path`` does not exist.
@@ -52,11 +51,8 @@ def consolidate_checkpoint(
 ) -> Path:
     """Write a checkpoint's model in Hugging Face's layout (offline, one process), via hf-io.
 
-    Whatever strategy and world size saved it: ``model.safetensors`` (or shards and their
-    index), the same bytes ``hf_io.save_pretrained`` writes from the live model (ties once,
-    under their first name, in the model's state-dict order), read one tensor at a time and
-    verified. transformers' ``from_pretrained`` reads the output (with ``config_from``'s
-    ``config.json``).
+    Whatever strategy and world size saved it, the bytes ``hf_io.save_pretrained`` writes from
+    the live model, read one tensor at a time and verified; transformers reads the output.
 
     Args:
         path: The checkpoint directory.

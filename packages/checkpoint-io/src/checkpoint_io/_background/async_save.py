@@ -51,10 +51,8 @@ def async_save_checkpoint(
     when every rank has written its files. One save is in flight at a time: a new save (this
     one or ``save_checkpoint``) first waits for the previous one.
 
-    The staged copy lives in host buffers kept from one save to the next (allocated once in a
-    steady run): host memory of the size of this rank's share, held while the process runs.
-    A rank stages its shards and its share of the replicated tensors (DCP writes one rank's
-    copy of each): with 2 DDP ranks, half the state each.
+    The staged copy lives in host buffers kept between saves: this rank's shards and its
+    share of the replicated tensors (with 2 DDP ranks, half the state each).
 
     Returns:
         A :class:`PendingCheckpoint`: ``wait()`` returns the path or re-raises a failure (on

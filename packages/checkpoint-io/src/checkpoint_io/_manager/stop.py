@@ -143,11 +143,9 @@ class StopSignals:
         logger.warning("requeued SLURM job %s", job)
 
     def restore(self) -> None:
-        """Put the previous handlers back, where this object's handler is still the current one.
+        """Put the previous handlers back where this object's is still the current one.
 
-        Where another handler was installed over this one since (a second manager), that one
-        stays: this object's handler, now inactive, passes the signal on to the handler it
-        replaced, so closing managers in any order leaves every signal handled.
+        A handler installed over it since stays; this one, inactive, passes the signal on.
         """
         for number, previous in self._previous.items():
             if getattr(signal.getsignal(number), "_stop_signals", None) is self:

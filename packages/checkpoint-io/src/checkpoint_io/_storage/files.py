@@ -55,12 +55,7 @@ class CheckpointFiles:
         self.verify = verify
 
     def read(self, name: str) -> bytes:
-        """The whole file ``name`` (relative to the checkpoint), checked.
-
-        Raises:
-            CheckpointError: Outside the checkpoint, not a regular file, not recorded, missing,
-                of another size, or (``verify``) another digest.
-        """
+        """The whole file ``name`` (relative to the checkpoint), checked as :meth:`_open` does."""
         stream, size = self._open(name)
         with stream:
             data = stream.read(size)

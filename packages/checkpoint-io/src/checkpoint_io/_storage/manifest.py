@@ -62,8 +62,7 @@ class CheckpointInfo:
         strategy: ``"ddp"``, ``"fsdp"``, ``"hsdp"`` or ``"none"``: how the saved model was
             wrapped.
         torch_version: The torch that wrote it.
-        fingerprint: Always ``None`` (checkpoints of format 1 recorded a gathered fingerprint;
-            ``python -m checkpoint_io inspect PATH --fingerprint`` computes it offline).
+        fingerprint: Always ``None`` (``inspect PATH --fingerprint`` computes it offline).
         path: The checkpoint directory.
     """
 
@@ -214,9 +213,7 @@ def check_manifest(manifest: Mapping[str, Any], file: Path) -> None:
 
 STEP_PREFIX = "step-"
 STEP_DIR = re.compile(rf"{STEP_PREFIX}(0|[1-9][0-9]*)", re.ASCII)
-"""A :class:`CheckpointManager` checkpoint's directory name: only canonical names count
-(ASCII digits, no leading zero: ``step-007`` is not a step, never chosen, counted or
-removed)."""
+"""A :class:`CheckpointManager` checkpoint's name: canonical only (``step-007`` is none)."""
 
 
 def saved_sequence(path: Path) -> int:
