@@ -124,17 +124,11 @@ class CheckpointFiles:
         try:
             stream = open_regular(file)
         except OSError as error:
-            raise CheckpointError(
-                f"the checkpoint is truncated or corrupt: {escaped(name)} is missing or "
-                f"unreadable ({error}); save it again (or restore it from a copy)"
-            ) from None
+            raise _damaged(name, f"missing or unreadable ({error})") from None
         size = os.fstat(stream.fileno()).st_size
         if size != entry["bytes"]:
             stream.close()
-            raise CheckpointError(
-                f"the checkpoint is truncated or corrupt: {escaped(name)} is {size} bytes, "
-                f"{entry['bytes']} were written; save it again (or restore it from a copy)"
-            )
+            raise _damaged(name, f"{size} bytes, {entry['bytes']} were written")
         return stream, size
 
     def _verify(
@@ -159,6 +153,14 @@ def _records_well_formed(records: object) -> bool:
         and all(type(n) is int and n >= 0 for n in r[:2])
         and isinstance(r[2], str)
         for r in records
+    )
+
+
+def _damaged(name: str, found: str) -> CheckpointError:
+    """The one refusal of a file that is not there as the manifest recorded it."""
+    return CheckpointError(
+        f"the checkpoint is truncated or corrupt: {escaped(name)} is {found}; save it again "
+        "(or restore it from a copy)"
     )
 
 
@@ -223,9 +225,7 @@ def read_checked(root: Path, *, verify: bool) -> tuple[dict[str, Any], Metadata,
         file = inside(root, name, source=str(root / MANIFEST))
         size = file.stat().st_size if file.is_file() else -1
         if size != int(entry["bytes"]):
-            found = "missing" if size < 0 else f"{size} bytes, {entry['bytes']} were written"
-            raise CheckpointError(
-                f"the checkpoint is truncated or corrupt: {escaped(name)} is {found}; save it "
-                "again (or restore it from a copy)"
+            raise _damaged(
+                name, "missing" if size < 0 else f"{size} bytes, {entry['bytes']} were written"
             )
     return manifest, metadata, files
